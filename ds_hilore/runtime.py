@@ -1,0 +1,457 @@
+"""The recovery runtime: HiLoRe as a model's activation checkpointing.
+
+``attach(model, config)`` finds the recovery units, makes every decoder layer run through a
+``LayerFrame`` (bundle.py) when gradient checkpointing is on, and keeps the per-microbatch state
+the scheduler, the GRPO losses and the DeepSpeed engine talk to.
+
+NOTE [ Switching ]
+transformers' decoder layers call ``self._gradient_checkpointing_func(forward, *args)`` when
+their ``gradient_checkpointing`` flag is set, in training mode, with gradients on. Attaching puts
+a ``_LayerCall`` there and sets the flag; ``gradient_checkpointing_enable()`` /
+``gradient_checkpointing_disable()`` reach ``_set_gradient_checkpointing`` on the model, which is
+wrapped (``_Toggle``) so that "on" means HiLoRe and "off" means plain autograd. Under
+``torch.no_grad()`` the layers never call the function: nothing is captured.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import weakref
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from ._errors import HiLoReError, bug
+from .bundle import CapturePlan, Counters, LayerFrame, WeightRef
+from .config import HiLoReConfig
+from .units import LayerUnits, Unit, find_units
+
+logger = logging.getLogger("ds_hilore")
+
+ACTIONS = ("H", "L", "R")
+_ATTACHED: "weakref.WeakSet[HiLoReRuntime]" = weakref.WeakSet()
+_MAX_MICROBATCHES_KEPT = 64
+
+
+def attach(model: nn.Module, config: HiLoReConfig | Mapping | str | None = None) -> "HiLoReRuntime":
+    """Make HiLoRe the activation checkpointing of ``model`` and turn it on.
+
+    Args:
+        model: a transformers causal LM (optionally wrapped by peft) or any module whose decoder
+            layers are named by ``layer_pattern`` / ``attn_children`` / ``mlp_children``.
+        config: a ``HiLoReConfig``, a dict of the ``"hilore"`` block, or a ds_config path.
+    Returns:
+        The runtime; ``runtime.detach()`` restores the model. With ``enabled: false`` the model
+        is left untouched.
+    Raises:
+        HiLoReError: no recognisable decoder layers; the message says which keys name them.
+    """
+    return HiLoReRuntime(model, HiLoReConfig.coerce(config) if config is not None
+                         else HiLoReConfig())
+
+
+def find_runtime(model: nn.Module | None = None) -> "HiLoReRuntime | None":
+    """The runtime attached to ``model`` (or to a module containing it), else the only one."""
+    live = [rt for rt in list(_ATTACHED) if rt.attached]
+    if model is not None:
+        for rt in live:
+            if rt.model is model or any(m is model for m in rt.model.modules()):
+                return rt
+        return None
+    return live[0] if len(live) == 1 else None
+
+
+class _Microbatch:
+    """Per-microbatch state: the layer frames, the coefficients, the measurements."""
+
+    def __init__(self, index: int, runtime: "HiLoReRuntime"):
+        self.index = index
+        self.codec = runtime._codec
+        self.min_pack_numel = runtime.config.min_pack_numel
+        self.weight_ref = runtime._weight_ref
+        self.counters = Counters()
+        self.frames: dict[int, weakref.ref] = {}  # layer index -> frame
+        self.last_layer = -1
+        self.coefficients: torch.Tensor | None = None
+        self.summary: dict[str, Any] = {}
+
+    def frame(self, layer_index: int) -> LayerFrame | None:
+        ref = self.frames.get(layer_index)
+        return ref() if ref is not None else None
+
+    def live_frames(self):
+        return [f for f in (r() for r in self.frames.values()) if f is not None]
+
+
+class _LayerCall:
+    """Installed as a decoder layer's ``_gradient_checkpointing_func``."""
+
+    def __init__(self, runtime: "HiLoReRuntime", layer: LayerUnits):
+        self.runtime, self.layer = runtime, layer
+
+    def __call__(self, function, *args, **kwargs):
+        if kwargs:
+            function = functools.partial(function, **kwargs)
+        return self.runtime._run_layer(self.layer, function, args)
+
+
+class _ForwardWrapper:
+    """Instance ``forward`` of a layer named by ``layer_pattern`` that has no checkpoint hook."""
+
+    def __init__(self, runtime: "HiLoReRuntime", layer: LayerUnits, forward):
+        self.runtime, self.layer, self.forward = runtime, layer, forward
+
+    def __call__(self, *args, **kwargs):
+        if self.runtime.enabled and self.layer.module.training and torch.is_grad_enabled():
+            return self.runtime._run_layer(self.layer, functools.partial(self.forward, **kwargs), args)
+        return self.forward(*args, **kwargs)
+
+
+class _Toggle:
+    """Wraps a transformers model's ``_set_gradient_checkpointing`` (NOTE [ Switching ])."""
+
+    def __init__(self, runtime: "HiLoReRuntime", original):
+        self.runtime, self.original = runtime, original
+
+    def __call__(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
+        kwargs = {} if gradient_checkpointing_func is None else {
+            "gradient_checkpointing_func": gradient_checkpointing_func}
+        self.original(enable=enable, every_n_layers=every_n_layers, **kwargs)
+        self.runtime._switch(enable)
+
+
+class HiLoReRuntime:
+    """HiLoRe attached to one model. See ``attach``."""
+
+    def __init__(self, model: nn.Module, config: HiLoReConfig):
+        self.model, self.config = model, config
+        self.collective = None  # set by engine.py for multi-rank runs
+        self.attached = False
+        self._switched_on = True
+        self._layers: list[LayerUnits] = []
+        self._units: tuple[Unit, ...] = ()
+        self._plan: dict[str, str] = {}
+        self._rows: dict[str, tuple[str, ...]] = {}
+        self._codec = None
+        self._mb: _Microbatch | None = None
+        self._n_microbatches = 0
+        self._step: list[dict] = []
+        self._last_step: list[dict] | None = None
+        self._verified_casts: dict[tuple[int, torch.dtype], bool] = {}
+        self._saved: list = []  # what attach changed, for detach
+        if not config.enabled:
+            return
+        self._layers = find_units(model, config)
+        self._units = tuple(u for layer in self._layers for u in layer.units)
+        self._layer_params = {id(l.module): list(l.module.parameters()) for l in self._layers}
+        if config.low_precision != "none":
+            from .codecs import get_codec
+            self._codec = get_codec(config.low_precision, config.codec_backend,
+                                    **self._codec_options())
+        unmatched = config.unmatched_force_plan_patterns([u.name for u in self._units])
+        if unmatched:
+            raise HiLoReError(f"force_plan patterns {unmatched} match no recovery unit; unit names "
+                              f"look like {self._units[0].name!r} (all: runtime.units).")
+        self._plan = {u.name: "R" for u in self._units}  # until the allocator decides: as GC
+        self._install()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        """The recovery units in execution order (read-only)."""
+        return self._units
+
+    @property
+    def enabled(self) -> bool:
+        """True while HiLoRe is the model's (switched-on) activation checkpointing."""
+        return self.attached and self._switched_on
+
+    def detach(self) -> None:
+        """Restore the model as it was before ``attach``."""
+        if not self.attached:
+            return
+        for obj, name, had, old in reversed(self._saved):
+            if had:
+                setattr(obj, name, old)
+            else:
+                obj.__dict__.pop(name, None)
+        self._saved.clear()
+        self.attached = False
+        self._mb = None
+        _ATTACHED.discard(self)
+
+    def set_plan(self, plan: Mapping[str, str] | str, rows: Mapping[str, tuple[str, ...]] | None = None):
+        """Capture actions for the next microbatches; ``force_plan`` still overrides them.
+
+        Args:
+            plan: ``"H"``, ``"L"``, ``"R"`` for every unit, or unit name (globs allowed) -> action.
+            rows: optional per-sequence actions (``"H"``/``"L"``/``"E"``) for H/L units.
+        """
+        self._plan = {u.name: self._check_action(_lookup(plan, u.name, self._plan[u.name]), "set_plan")
+                      for u in self._units}
+        self._rows = dict(rows or {})
+
+    def plan_actions(self) -> list[str]:
+        """The capture action of every unit, in unit order, after ``force_plan``."""
+        return [self.config.force_plan_for(u.name) or self._plan[u.name] for u in self._units]
+
+    def plan_hash(self) -> str:
+        return hashlib.sha1("".join(self.plan_actions()).encode()).hexdigest()[:12]
+
+    def downgrade(self, name: str, action: str, rows=None) -> None:
+        """Lower the fidelity of a unit captured in the current microbatch; frees bytes at once.
+
+        H -> L, H -> R, L -> R, and H/L -> E for sequences whose loss coefficients are zero.
+        ``rows`` (sequence indices) apply to L and E; R is per unit.
+        """
+        unit = self._unit(name)
+        frame = self._mb.frame(unit.layer_index) if self._mb is not None else None
+        if frame is None:
+            raise HiLoReError(f"downgrade({name!r}): no microbatch of this unit is alive; call it "
+                              "between the forward and the backward of a microbatch.")
+        pos = unit.index - 2 * unit.layer_index
+        current = frame.plan.actions[pos]
+        allowed = {"H": {"L", "R", "E"}, "L": {"L", "R", "E"}, "R": {"R"}}[current]
+        if action not in allowed:
+            raise HiLoReError(f"downgrade({name!r}, {action!r}): the unit was captured as "
+                              f"{current!r}; allowed: {sorted(allowed)} (fidelity only goes down).")
+        if action == "R" and rows is not None:
+            raise HiLoReError(f"downgrade({name!r}, 'R', rows=...): R is per unit; pass rows=None.")
+        if action == "L" and self._codec is None:
+            raise HiLoReError(f"downgrade({name!r}, 'L'): low_precision is 'none'; set it to 'int8' "
+                              "or 'fp8_e4m3' in the \"hilore\" block.")
+        frame.downgrade(pos, action, rows)
+        self._summarise(self._mb)
+
+    def set_coefficients(self, coefficients: torch.Tensor) -> None:
+        """Hand the loss coefficients ω (B, T') of the current microbatch to the runtime.
+
+        Sequences whose ω is exactly zero are elided at once from every H/L unit (their slices
+        are never read by a non-zero gradient, NOTE [ Exact zeros ] in bundle.py).
+        """
+        mb = self._mb
+        if mb is None or not mb.frames:
+            return
+        coefficients = coefficients.detach()
+        if coefficients.dim() != 2:
+            raise HiLoReError(f"set_coefficients expects (B, T') coefficients, got {tuple(coefficients.shape)}")
+        mb.coefficients = coefficients
+        zero_rows = (coefficients == 0).all(dim=1).nonzero().flatten().tolist()  # sequences
+        all_zero = len(zero_rows) == coefficients.shape[0]
+        if self.collective is not None:
+            all_zero = bool(self.collective.all_reduce_max([0 if all_zero else 1])[0] == 0)
+        for frame in mb.live_frames():
+            if frame.batch != coefficients.shape[0]:
+                raise HiLoReError(f"set_coefficients: {coefficients.shape[0]} sequences, but the "
+                                  f"microbatch's forward had {frame.batch}; pass the coefficients "
+                                  "of the same microbatch (one row per sequence).")
+            frame.elided_rows = set(zero_rows)
+            frame.skip_zero_recompute = all_zero
+            for pos, action in enumerate(frame.plan.actions):
+                if action != "R" and zero_rows:
+                    frame.downgrade(pos, "E", zero_rows)
+        self._summarise(mb)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Measurements of the last optimizer step (or of the step in progress before any)."""
+        mbs = self._last_step if self._last_step is not None else self._step
+        mbs = [self._microbatch_stats(m) for m in mbs]
+        out = {"actions": _sum_dicts(m["actions"] for m in mbs),
+               "bytes": _sum_dicts(m["bytes"] for m in mbs),
+               "microbatches": mbs, "peak_bytes": None,
+               "grad_error_est": None, "grad_error_measured": None}
+        for key in ("recomputed_units", "pack_s", "unpack_s", "recompute_s", "nonfinite_slices"):
+            out[key] = sum(m[key] for m in mbs)
+        errors = [e for m in mbs for e in m["_rel_errors"]]
+        out["packed_rel_error_max"] = max(errors, default=0.0)
+        for m in mbs:
+            m.pop("_rel_errors", None)
+        return out
+
+    def end_step(self) -> None:
+        """Close the optimizer step: ``stats`` now reports it."""
+        self._last_step, self._step = self._step, []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Learned state worth keeping across a resume (plan; profiles and calibration later)."""
+        return {"version": 1, "plan": dict(self._plan), "microbatches_seen": self._n_microbatches}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise HiLoReError(f"unknown ds_hilore state version {state.get('version')!r}")
+        known = {u.name for u in self._units}
+        self._plan.update({k: v for k, v in state.get("plan", {}).items() if k in known})
+        self._n_microbatches = int(state.get("microbatches_seen", 0))
+
+    # ------------------------------------------------------------------ installation
+    def _install(self) -> None:
+        for layer in self._layers:
+            module = layer.module
+            if _is_gc_layer(module):
+                self._remember(module, "_gradient_checkpointing_func")
+                self._remember(module, "gradient_checkpointing")
+                module._gradient_checkpointing_func = _LayerCall(self, layer)
+                module.gradient_checkpointing = True
+            else:
+                self._remember(module, "forward")
+                module.forward = _ForwardWrapper(self, layer, module.forward)
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            PreTrainedModel = ()
+        for module in self.model.modules():
+            if PreTrainedModel and isinstance(module, PreTrainedModel):
+                self._remember(module, "_set_gradient_checkpointing")
+                module._set_gradient_checkpointing = _Toggle(self, module._set_gradient_checkpointing)
+        self.attached = True
+        _ATTACHED.add(self)
+
+    def _remember(self, obj, name: str) -> None:
+        self._saved.append((obj, name, name in obj.__dict__, obj.__dict__.get(name)))
+
+    def _switch(self, enable: bool) -> None:
+        self._switched_on = enable
+        for layer in self._layers:
+            if _is_gc_layer(layer.module):
+                layer.module.gradient_checkpointing = enable
+                layer.module._gradient_checkpointing_func = _LayerCall(self, layer)
+
+    def _codec_options(self) -> dict[str, Any]:
+        if self.config.low_precision == "fp8_e4m3":
+            return {"scaling": self.config.fp8_scaling, "block_size": self.config.fp8_block_size}
+        return {}
+
+    # ------------------------------------------------------------------ per layer call
+    def _run_layer(self, layer: LayerUnits, function, args: tuple):
+        if not torch.is_grad_enabled():
+            return function(*args)
+        mb = self._microbatch_for(layer.index)
+        frame = LayerFrame(layer, function, args, self._capture_plan(layer), mb)
+        mb.frames[layer.index] = weakref.ref(frame)
+        mb.last_layer = layer.index
+        out = frame.run()
+        if layer.index == self._layers[-1].index:
+            self._summarise(mb)
+        return out
+
+    def _microbatch_for(self, layer_index: int) -> _Microbatch:
+        """A layer index not above the previous one starts a new forward: a new microbatch."""
+        if self._mb is None or layer_index <= self._mb.last_layer:
+            self._mb = _Microbatch(self._n_microbatches, self)
+            self._n_microbatches += 1
+            self._step.append(self._mb.summary)
+            if len(self._step) > _MAX_MICROBATCHES_KEPT:
+                del self._step[0]
+        return self._mb
+
+    def _capture_plan(self, layer: LayerUnits) -> CapturePlan:
+        actions = [self.config.force_plan_for(u.name) or self._plan[u.name] for u in layer.units]
+        rows = [self._rows.get(u.name) for u in layer.units]
+        return CapturePlan(actions, rows)
+
+    def _summarise(self, mb: _Microbatch) -> None:
+        actions, nbytes = {a: 0 for a in "HLRE"}, {a: 0 for a in "HLRE"}
+        for layer in self._layers:
+            frame = mb.frame(layer.index)
+            if frame is None:
+                continue
+            for pos, unit in enumerate(layer.units):
+                action, held = frame.unit_summary(pos)
+                unit.action = action
+                actions[action] += 1
+                for k, v in held.items():
+                    nbytes[k] += v
+        mb.summary.update(index=mb.index, actions=actions, bytes=nbytes, counters=mb.counters)
+
+    @staticmethod
+    def _microbatch_stats(summary: dict) -> dict[str, Any]:
+        c: Counters = summary.get("counters") or Counters()
+        return {"index": summary.get("index"), "actions": dict(summary.get("actions", {})),
+                "bytes": dict(summary.get("bytes", {})), "recomputed_units": c.recomputed_units,
+                "pack_s": c.pack_s, "unpack_s": c.unpack_s, "recompute_s": c.recompute_s,
+                "nonfinite_slices": c.nonfinite_slices, "_rel_errors": list(c.rel_errors)}
+
+    # ------------------------------------------------------------------ helpers
+    def _unit(self, name: str) -> Unit:
+        for unit in self._units:
+            if unit.name == name:
+                return unit
+        raise HiLoReError(f"no recovery unit named {name!r}; units look like {self._units[0].name!r}")
+
+    def _check_action(self, action: str, where: str) -> str:
+        if action not in ACTIONS:
+            raise HiLoReError(f"{where}: unknown action {action!r}; allowed: {list(ACTIONS)}")
+        if action == "L" and self._codec is None:
+            raise HiLoReError(f"{where}: action 'L' needs low_precision 'int8' or 'fp8_e4m3' in the "
+                              "\"hilore\" block (it is 'none').")
+        return action
+
+    def _weight_ref(self, t: torch.Tensor, layer_module: nn.Module) -> WeightRef | None:
+        """A reference when ``t`` is a parameter, a view of one, or an autocast cast of one."""
+        params = self._layer_params[id(layer_module)]
+        ptr = t.untyped_storage().data_ptr()
+        for p in params:
+            if p.numel() and p.untyped_storage().data_ptr() == ptr:
+                return WeightRef(p, None, t)
+        base = t._base if t._base is not None else t
+        if not base.is_contiguous():
+            return None
+        if base.grad_fn is not None:  # autocast cast of a trainable weight: ToCopy <- AccumulateGrad
+            if not type(base.grad_fn).__name__.startswith("ToCopyBackward"):
+                return None
+            source = base.grad_fn.next_functions[0][0] if base.grad_fn.next_functions else None
+            p = getattr(source, "variable", None)
+            if p is not None and any(p is q for q in params) and p.shape == base.shape:
+                return WeightRef(p, base.dtype, t)
+            return None
+        if base.requires_grad:
+            return None
+        for p in params:  # autocast cast of a frozen weight (LoRA base): checked once by value
+            if not p.requires_grad and p.shape == base.shape and p.dtype != base.dtype \
+                    and self._is_cast_of(p, base):
+                return WeightRef(p, base.dtype, t)
+        return None
+
+    def _is_cast_of(self, p: nn.Parameter, base: torch.Tensor) -> bool:
+        """Whether ``base`` is ``p`` cast to ``base.dtype``: in full the first time, then sampled."""
+        key = (id(p), base.dtype)
+        if key not in self._verified_casts:
+            self._verified_casts[key] = bool(torch.equal(base, p.detach().to(base.dtype)))
+            return self._verified_casts[key]
+        if not self._verified_casts[key]:
+            return False
+        flat, ref = base.view(-1), p.detach().view(-1)
+        n = min(256, flat.numel())
+        return bool(torch.equal(flat[:n], ref[:n].to(base.dtype))
+                    and torch.equal(flat[-n:], ref[-n:].to(base.dtype)))
+
+
+def _is_gc_layer(module: nn.Module) -> bool:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return False
+    return isinstance(module, GradientCheckpointingLayer)
+
+
+def _lookup(plan: Mapping[str, str] | str, name: str, default: str) -> str:
+    if isinstance(plan, str):
+        return plan
+    import fnmatch
+    found = default
+    for pattern, action in plan.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            found = action
+    return found
+
+
+def _sum_dicts(dicts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
