@@ -121,6 +121,7 @@ class _Toggle:
             "gradient_checkpointing_func": gradient_checkpointing_func}
         self.original(enable=enable, every_n_layers=every_n_layers, **kwargs)
         self.runtime._switch(enable)
+        self.runtime._last_toggle = (self.original, enable, every_n_layers, kwargs)
 
 
 class HiLoReRuntime:
@@ -131,6 +132,7 @@ class HiLoReRuntime:
         self.collective = None  # set by engine.py for multi-rank runs
         self.attached = False
         self._switched_on = True
+        self._last_toggle = None
         self._layers: list[LayerUnits] = []
         self._units: tuple[Unit, ...] = ()
         self._plan: dict[str, str] = {}
@@ -179,6 +181,9 @@ class HiLoReRuntime:
             else:
                 obj.__dict__.pop(name, None)
         self._saved.clear()
+        if self._last_toggle is not None:  # the user's last switch holds for HF checkpointing
+            original, enable, every_n_layers, kwargs = self._last_toggle
+            original(enable=enable, every_n_layers=every_n_layers, **kwargs)
         self.attached = False
         self._mb = None
         _ATTACHED.discard(self)

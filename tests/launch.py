@@ -1,0 +1,133 @@
+"""Run a worker script on several CPU ranks and collect what each rank reports.
+
+``run_distributed(script, args)`` starts ``script`` under the ``deepspeed`` runner or
+``mpirun -np N`` with ``DS_ACCELERATOR=cpu``, passes it ``--result_dir DIR --master_port P``
+after ``args``, and returns the JSON each rank wrote with :func:`write_result`, sorted by
+rank. A non-zero exit or a timeout fails with every rank's output.
+
+Workers are run from the repository root with it on ``PYTHONPATH``, so they can
+``from tests.launch import write_result``.
+
+# NOTE [ Clean rank environment ]
+# In-process single-rank tests set RANK/WORLD_SIZE/MASTER_* in os.environ. If those leaked
+# into a launch, DeepSpeed would skip MPI discovery under mpirun and every rank would believe
+# it is rank 0 of 1. The child environment is scrubbed of them; the launcher sets its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_BIN = Path(sys.executable).parent
+LAUNCHERS = ("deepspeed", "mpirun")
+_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "CROSS_RANK", "CROSS_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+             "OMPI_COMM_WORLD_SIZE")
+
+
+def free_port() -> int:
+    """A TCP port that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_result(result_dir: str | os.PathLike, rank: int, payload: dict) -> None:
+    """Worker side: write this rank's result as ``rank{rank}.json`` (atomically)."""
+    path = Path(result_dir) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _command(script: Path, args: list[str], nprocs: int, launcher: str, port: int,
+             log_dir: Path) -> list[str]:
+    if launcher == "deepspeed":
+        return [str(_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(port),
+                f"--enable_each_rank_log={log_dir}", str(script), *args]
+    if launcher == "mpirun":
+        # mpich's hydra: -l prefixes each output line with its rank.
+        return [str(_BIN / "mpirun"), "-np", str(nprocs), "-l", sys.executable, str(script), *args]
+    raise ValueError(f"launcher={launcher!r} is unknown; use one of {LAUNCHERS}")
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}  # NOTE [ Clean rank environment ]
+    env["DS_ACCELERATOR"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # Appended, not prepended: the venv's pip `ninja` differs from the system one, and two
+    # ninja versions alternating on DeepSpeed's JIT op cache rebuild it (~1 min) each time.
+    env["PATH"] = os.pathsep.join([env.get("PATH", ""), str(_BIN)])
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks on a 2-core machine: one thread each
+    return env
+
+
+def _all_output(launcher_output: str, log_dir: Path) -> str:
+    parts = [f"==== launcher output ====\n{launcher_output}"]
+    for log in sorted(log_dir.glob("*.log")):
+        parts.append(f"==== {log.name} ====\n{log.read_text(errors='replace')}")
+    return "\n".join(parts)
+
+
+def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...] = (), nprocs: int = 2,
+                    launcher: str = "deepspeed", timeout: float = 300.0) -> list[dict]:
+    """Run ``script`` on ``nprocs`` CPU ranks and return each rank's result dict, by rank.
+
+    Args:
+        script: worker script (absolute, or relative to the repository root).
+        args: arguments for the script; ``--result_dir DIR --master_port P`` are appended.
+        nprocs: number of ranks.
+        launcher: ``"deepspeed"`` (``deepspeed --num_gpus N``) or ``"mpirun"`` (``mpirun -np N``).
+        timeout: seconds before every process of the launch is killed and the test fails.
+
+    Returns:
+        One dict per rank, sorted by rank, as written by :func:`write_result`.
+
+    Raises:
+        pytest.fail.Exception: non-zero exit, timeout, or a rank that wrote no result; the
+            message holds the launcher's and every rank's output.
+    """
+    script = Path(script)
+    if not script.is_absolute():
+        script = REPO_ROOT / script
+    work = Path(tempfile.mkdtemp(prefix="hilore_launch_"))
+    result_dir, log_dir = work / "results", work / "logs"
+    result_dir.mkdir()
+    log_dir.mkdir()
+    port = free_port()
+    cmd = _command(script, [*map(str, args), "--result_dir", str(result_dir), "--master_port", str(port)],
+                   nprocs, launcher, port, log_dir)
+    # A new session, so that a timeout can end the launcher and every rank it started together.
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{launcher} launch of {script.name} timed out after {timeout:.0f} s "
+                    f"(a hang: ranks issuing different collectives?)\n{_all_output(output, log_dir)}")
+    try:
+        if proc.returncode != 0:
+            pytest.fail(f"{launcher} launch of {script.name} exited with {proc.returncode}\n"
+                        f"{' '.join(cmd)}\n{_all_output(output, log_dir)}")
+        results = []
+        for rank in range(nprocs):
+            path = result_dir / f"rank{rank}.json"
+            if not path.exists():
+                pytest.fail(f"rank {rank} of {script.name} wrote no result\n{_all_output(output, log_dir)}")
+            results.append(json.loads(path.read_text()))
+        return results
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

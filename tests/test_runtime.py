@@ -1,0 +1,337 @@
+"""The recovery runtime against the model without checkpointing and against HF gradient checkpointing.
+
+Exact paths (H, R, fast-forward) must give bitwise-equal gradients on CPU fp32 with dropout on,
+for every supported architecture, with and without LoRA; retained bytes are compared with
+storage-level accounting (``LiveStorages``), not RSS.
+"""
+
+import random
+
+import pytest
+import torch
+
+import ds_hilore
+from ds_hilore import HiLoReError
+from models import ARCHS, LiveStorages, batch, loss_and_grads, tiny_model, with_lora
+
+EXACT_PLANS = {
+    "all-H": "H",
+    "all-R": "R",
+    "attn-H/mlp-R": {"*.attn": "H", "*.mlp": "R"},
+    "attn-R/mlp-H": {"*.attn": "R", "*.mlp": "H"},
+}
+EXACT_CONFIG = {"low_precision": "none"}
+
+
+def _mismatches(ref: dict, got: dict) -> list[str]:
+    assert ref.keys() == got.keys()
+    return [name for name in ref if not torch.equal(ref[name], got[name])]
+
+
+def _random_plan(units, seed: int) -> dict[str, str]:
+    rng = random.Random(seed)
+    return {u.name: rng.choice("HR") for u in units}
+
+
+def _build(arch: str, lora: bool, **kwargs):
+    model = tiny_model(arch, layers=3, **kwargs)
+    return with_lora(model) if lora else model
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_exact_plans_bitwise_equal_to_no_checkpointing(arch, lora):
+    model = _build(arch, lora)
+    inputs = batch()
+    ref_loss, ref = loss_and_grads(model, inputs)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    plans = dict(EXACT_PLANS, random=_random_plan(runtime.units, seed=7))
+    for label, plan in plans.items():
+        runtime.set_plan(plan)
+        loss, grads = loss_and_grads(model, inputs)
+        assert torch.equal(loss, ref_loss), label
+        assert _mismatches(ref, grads) == [], label
+        expected = [plan if isinstance(plan, str) else
+                    next(a for p, a in plan.items() if __import__("fnmatch").fnmatchcase(u.name, p))
+                    for u in runtime.units]
+        assert [u.action for u in runtime.units] == expected, label
+    runtime.detach()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
+def test_bf16_autocast_bitwise_equal_to_gradient_checkpointing(arch, lora):
+    model = _build(arch, lora)
+    inputs = batch()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_loss, ref = loss_and_grads(model, inputs, autocast=torch.bfloat16)
+    model.gradient_checkpointing_disable()
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    for label, plan in EXACT_PLANS.items():
+        runtime.set_plan(plan)
+        loss, grads = loss_and_grads(model, inputs, autocast=torch.bfloat16)
+        assert torch.equal(loss, ref_loss), label
+        assert _mismatches(ref, grads) == [], label
+
+
+class _CallCounter:
+    """Counts real forward calls of every layer's attention and MLP modules."""
+
+    def __init__(self, model, runtime):
+        self.calls = {}
+        for unit in runtime.units:
+            layer = model.get_submodule(_module_path(model, unit.name.rsplit(".", 1)[0]))
+            child = "mlp" if unit.kind == "mlp" else next(
+                c for c in ("self_attn", "attention") if hasattr(layer, c))
+            self.calls[unit.name] = 0
+            getattr(layer, child).register_forward_hook(
+                lambda *_, name=unit.name: self.calls.__setitem__(name, self.calls[name] + 1))
+
+    def reset(self):
+        self.calls = dict.fromkeys(self.calls, 0)
+
+
+def _module_path(model, public_name: str) -> str:
+    names = {n for n, _ in model.named_modules()}
+    for prefix in ("", "base_model.model."):
+        if prefix + public_name in names:
+            return prefix + public_name
+    raise KeyError(public_name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
+def test_recompute_runs_each_R_unit_once_more_and_never_H(arch):
+    model = _build(arch, lora=False)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    counter = _CallCounter(model, runtime)
+    inputs = batch()
+    for plan in EXACT_PLANS.values():
+        runtime.set_plan(plan)
+        counter.reset()
+        loss_and_grads(model, inputs)
+        runtime.end_step()
+        for unit in runtime.units:
+            expected = 2 if unit.action == "R" else 1  # forward + one recompute
+            assert counter.calls[unit.name] == expected, (plan, unit.name, counter.calls)
+        assert runtime.stats["recomputed_units"] == sum(u.action == "R" for u in runtime.units)
+
+
+def _retained_after_forward(model, inputs, autocast=None):
+    """Bytes of storages made in forward and still alive at its end, and (bytes, shape, dtype) of each."""
+    embeds = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_(True)
+    with LiveStorages() as tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+            logits = model(inputs_embeds=embeds, attention_mask=inputs["attention_mask"]).logits
+    live = tracker.live()
+    logits.float().sum().backward()
+    return sum(n for n, _, _ in live), live
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_all_R_retains_exactly_what_gradient_checkpointing_retains(lora):
+    model = _build("llama", lora, hidden=64, intermediate=128)
+    inputs = batch(seq=32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    gc_bytes, _ = _retained_after_forward(model, inputs)
+    model.gradient_checkpointing_disable()
+    no_ckpt_bytes, _ = _retained_after_forward(model, inputs)
+    runtime = ds_hilore.attach(model, dict(EXACT_CONFIG, force_plan="R"))
+    r_bytes, _ = _retained_after_forward(model, inputs)
+    assert r_bytes == gc_bytes
+    assert no_ckpt_bytes > 3 * gc_bytes  # the comparison has teeth
+
+
+@pytest.mark.parametrize("plan", ["H", {"*.attn": "H", "*.mlp": "R"}], ids=["all-H", "attn-H"])
+def test_H_bytes_of_lora_under_bf16_autocast_hold_no_weight(plan):
+    # shapes chosen so no activation or lm_head weight looks like a layer weight: B·T = 96,
+    # vocab 128, intermediate 80
+    model = _build("llama", lora=True, hidden=64, intermediate=80)
+    inputs = batch(seq=32)
+    _, plain = _retained_after_forward(model, inputs, autocast=torch.bfloat16)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    runtime.set_plan("R")
+    r_bytes, _ = _retained_after_forward(model, inputs, autocast=torch.bfloat16)
+    runtime.end_step()
+    runtime.set_plan(plan)
+    h_bytes, live = _retained_after_forward(model, inputs, autocast=torch.bfloat16)
+    runtime.end_step()
+    weights = {(tuple(p.shape), torch.bfloat16) for n, p in model.named_parameters()
+               if ".layers." in n and p.dim() == 2}
+    casts_plain = [(s, d) for _, s, d in plain if (s, d) in weights]
+    casts_kept = [(s, d) for _, s, d in live if (s, d) in weights]
+    assert len(casts_plain) >= 7 * 3  # plain autograd keeps a bf16 copy of every layer weight
+    assert casts_kept == []
+    assert runtime.stats["bytes"]["H"] == h_bytes - r_bytes  # the runtime's own count is exact
+
+
+def test_downgrade_H_to_R_frees_the_slices_and_stays_exact():
+    model = _build("llama", lora=False, hidden=64, intermediate=128)
+    inputs = batch(seq=32)
+    _, ref = loss_and_grads(model, inputs)
+    runtime = ds_hilore.attach(model, dict(EXACT_CONFIG, force_plan="H"))
+    model.zero_grad(set_to_none=True)
+    embeds = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_(True)
+    torch.manual_seed(123)
+    with LiveStorages() as tracker:
+        logits = model(inputs_embeds=embeds, attention_mask=inputs["attention_mask"]).logits
+    before = tracker.live_bytes()
+    runtime._summarise(runtime._mb)
+    freed = runtime.stats["microbatches"][-1]["bytes"]["H"]
+    for unit in runtime.units:
+        runtime.downgrade(unit.name, "R")
+    assert [u.action for u in runtime.units] == ["R"] * len(runtime.units)
+    assert before - tracker.live_bytes() == freed > 0
+    weights = torch.linspace(-1.0, 1.0, logits.shape[-1])
+    (logits.float().log_softmax(-1) * weights).sum(-1).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()
+             if p is not model.get_input_embeddings().weight}
+    grads["<inputs_embeds>"] = embeds.grad
+    assert _mismatches(ref, grads) == []
+
+
+def test_shared_storages_are_counted_once():
+    # q/k/v projections save the same normed input; rotary tables are shared by all layers
+    model = _build("llama", lora=False, hidden=64, intermediate=128)
+    inputs = batch(seq=32)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    r_bytes, _ = _retained_after_forward(model, inputs)
+    runtime.end_step()
+    runtime.set_plan({"*.attn": "H", "*.mlp": "R"})
+    h_bytes, _ = _retained_after_forward(model, inputs)
+    runtime.end_step()
+    assert runtime.stats["bytes"]["H"] == h_bytes - r_bytes
+
+
+def test_gradient_checkpointing_toggle_and_no_grad():
+    model = _build("llama", lora=False)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    inputs = batch()
+    assert runtime.enabled and model.is_activation_checkpointing
+    with torch.no_grad():
+        model(**inputs)
+    assert runtime.stats["microbatches"] == []  # nothing captured without gradients
+    model.gradient_checkpointing_disable()
+    assert not runtime.enabled
+    loss_and_grads(model, inputs)
+    assert runtime.stats["microbatches"] == []  # plain autograd
+    model.gradient_checkpointing_enable()
+    assert runtime.enabled
+    loss_and_grads(model, inputs)
+    assert len(runtime.stats["microbatches"]) == 1
+    runtime.detach()  # the last switch was "on": HF's own checkpointing takes over
+    assert "_set_gradient_checkpointing" not in model.__dict__
+    layer = model.model.layers[0]
+    assert layer.gradient_checkpointing and type(layer._gradient_checkpointing_func).__name__ == "partial"
+
+
+def test_detach_after_switching_off_leaves_checkpointing_off():
+    model = _build("llama", lora=False)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    model.gradient_checkpointing_disable()
+    runtime.detach()
+    assert not model.is_activation_checkpointing
+
+
+def test_detach_restores_the_model():
+    model = _build("qwen2", lora=False)
+    model.gradient_checkpointing_enable()
+    inputs = batch()
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    runtime.detach()
+    layer = model.model.layers[0]
+    assert layer.gradient_checkpointing
+    assert type(layer._gradient_checkpointing_func).__name__ == "partial"  # HF's checkpoint again
+    _, grads = loss_and_grads(model, inputs)
+    assert runtime.stats["microbatches"] == []
+
+
+def test_disabled_config_leaves_the_model_alone():
+    model = _build("llama", lora=False)
+    runtime = ds_hilore.attach(model, {"enabled": False})
+    assert not runtime.enabled and runtime.units == ()
+    assert not model.is_activation_checkpointing
+
+
+def test_unit_names_and_kinds():
+    model = _build("gpt_neox", lora=True)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    assert [u.name for u in runtime.units[:2]] == ["gpt_neox.layers.0.attn", "gpt_neox.layers.0.mlp"]
+    assert [u.kind for u in runtime.units] == ["attn", "mlp"] * 3
+    assert runtime.units[1].children == ("post_attention_layernorm", "post_mlp_dropout", "mlp") or \
+        set(runtime.units[1].children) == {"post_attention_layernorm", "post_mlp_dropout", "mlp"}
+
+
+def test_model_without_layers_says_how_to_name_units():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.raises(HiLoReError) as err:
+        ds_hilore.attach(model, EXACT_CONFIG)
+    for needle in ("layer_pattern", "attn_children", "mlp_children", "model.layers.*"):
+        assert needle in str(err.value)
+
+
+def test_unmapped_child_is_named():
+    model = _build("phi3", lora=False)
+    with pytest.raises(HiLoReError) as err:
+        ds_hilore.attach(model, dict(EXACT_CONFIG, attn_children=["input_layernorm", "self_attn"]))
+    assert "resid_attn_dropout" in str(err.value) and "attn_children" in str(err.value)
+
+
+def test_layer_pattern_wraps_layers_without_checkpoint_hook():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(8)
+            self.attn = torch.nn.Linear(8, 8)
+            self.drop = torch.nn.Dropout(0.2)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+        def forward(self, x):
+            x = x + self.drop(self.attn(self.norm(x)))
+            return x + self.mlp(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block()).train()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+
+    def grads():
+        model.zero_grad()
+        x.grad = None
+        torch.manual_seed(3)
+        model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    ref = grads()
+    runtime = ds_hilore.attach(model, {"low_precision": "none", "layer_pattern": "[0-9]",
+                                       "attn_children": ["norm", "attn", "drop"], "mlp_children": ["mlp"]})
+    for plan in EXACT_PLANS.values():
+        runtime.set_plan(plan)
+        assert all(torch.equal(a, b) for a, b in zip(ref, grads()))
+    assert [u.name for u in runtime.units] == ["0.attn", "0.mlp", "1.attn", "1.mlp"]
+
+
+def test_downgrade_rejects_upgrades_and_row_R():
+    model = _build("llama", lora=False)
+    runtime = ds_hilore.attach(model, dict(EXACT_CONFIG, force_plan={"*.attn": "R", "*.mlp": "H"}))
+    out = model(**batch())  # frames live as long as the graph
+    name = runtime.units[0].name
+    with pytest.raises(HiLoReError, match="fidelity only goes down"):
+        runtime.downgrade(name, "H")
+    with pytest.raises(HiLoReError, match="R is per unit"):
+        runtime.downgrade(runtime.units[1].name, "R", rows=[0])
+    with pytest.raises(HiLoReError, match="low_precision is 'none'"):
+        runtime.downgrade(runtime.units[1].name, "L")
+    with pytest.raises(HiLoReError, match="no recovery unit named"):
+        runtime.downgrade("model.layers.9.mlp", "R")
+    del out
+    with pytest.raises(HiLoReError, match="no microbatch of this unit is alive"):
+        runtime.downgrade(name, "R")
+
+
+def test_force_plan_glob_overrides_set_plan():
+    model = _build("llama", lora=False)
+    runtime = ds_hilore.attach(model, dict(EXACT_CONFIG, force_plan={"model.layers.1.*": "H"}))
+    runtime.set_plan("R")
+    assert runtime.plan_actions() == ["R", "R", "H", "H", "R", "R"]
+    with pytest.raises(HiLoReError, match="match no recovery unit"):
+        ds_hilore.attach(_build("llama", lora=False),
+                         dict(EXACT_CONFIG, force_plan={"layers.*.attention": "H"}))
