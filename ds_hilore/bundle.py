@@ -42,6 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._errors import bug
+from .exposure import input_norms
 from .units import LayerUnits
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -352,13 +353,15 @@ class LayerFrame:
         self.input_ptrs = {x.untyped_storage().data_ptr() for x in inputs}
         hidden = args[0] if args and isinstance(args[0], torch.Tensor) else inputs[0]
         self.batch = hidden.shape[0]
+        self.seq_len = hidden.shape[1] if hidden.dim() >= 2 else 1
         self.device_type = hidden.device.type
         n = len(layer.units)
         self.current = 0
         self.recomputing = False
         self.slots: list[list] = [[] for _ in range(n)]  # weak refs of _Slot, pack order
         self.shapes: list[list] = [[] for _ in range(n)]  # (shape, dtype) per slot
-        self.stored: list[dict[int, Stored]] = [{} for _ in range(n)]  # storage ptr -> Stored
+        self.stored: list[list[Stored]] = [[] for _ in range(n)]  # every storage a unit keeps
+        self._by_ptr: list[dict[int, Stored]] = [{} for _ in range(n)]  # dedupe (rule 4)
         self.boundary: set[int] = set()  # storages entering a unit: never packed (rule 2)
         self.unit_rng: list[RngState | None] = [None] * n
         self.ff_out: list[Any] = [None] * n  # unit output cached for fast-forward
@@ -366,6 +369,7 @@ class LayerFrame:
         self.child_order: list[str] = []
         self.rc_counts = [0] * n
         self.rc_need: set[int] = set()
+        self.token_norms: list[torch.Tensor | None] = [None] * n  # (B, T) unit-input norms
         self.elided_rows: set[int] = set()  # sequences with zero loss coefficients
         self.skip_zero_recompute = False  # every rank agreed: all sequences elided
 
@@ -407,6 +411,8 @@ class LayerFrame:
             first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
             if first is not None:
                 self.boundary.add(first.untyped_storage().data_ptr())
+                if self.plan.actions[pos] != "R" and self.ctx.codec is not None:
+                    self.token_norms[pos] = input_norms(first)  # exposure's token weights
         self.current = pos
 
     def _leave_child(self, name: str, output) -> None:
@@ -436,7 +442,7 @@ class LayerFrame:
 
     def _store(self, pos: int, t: torch.Tensor) -> Stored:
         ptr = t.untyped_storage().data_ptr()
-        stored = self.stored[pos].get(ptr)
+        stored = self._by_ptr[pos].get(ptr)
         if stored is not None and not stored.weak.expired() and stored.dtype == t.dtype:
             return stored
         block = row_block(t, self.batch)
@@ -444,7 +450,8 @@ class LayerFrame:
                     and block >= self.ctx.min_pack_numel and self.ctx.codec is not None)
         group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
         stored = Stored(t, self.batch, block, group or 1, self.ctx.codec, packable, self.ctx.counters)
-        self.stored[pos][ptr] = stored
+        self._by_ptr[pos][ptr] = stored  # an address reused after free gets a new entry
+        self.stored[pos].append(stored)
         rows = self.plan.rows[pos] or (self.plan.actions[pos],) * self.batch
         for action in ("E", "L"):
             selected = [i for i, a in enumerate(rows) if a == action]
@@ -462,10 +469,11 @@ class LayerFrame:
                     slot.stored.release()
                     slot.ref = slot.stored = None
             self.stored[pos].clear()
+            self._by_ptr[pos].clear()
             self.plan.actions[pos] = "R"
             return
         rows = list(range(self.batch)) if rows is None else list(rows)
-        for stored in self.stored[pos].values():
+        for stored in self.stored[pos]:
             if action == "E" or stored.packable:
                 stored.set_rows(rows, action)
 
@@ -474,12 +482,14 @@ class LayerFrame:
         if self.plan.actions[pos] == "R":
             return "R", {}
         states, total = set(), {"H": 0, "L": 0}
-        for stored in self.stored[pos].values():
+        for stored in self.stored[pos]:
             states.update(stored.row_states())
             for k, v in stored.bytes_by_action().items():
                 total[k] += v
         if self.ff_out[pos] is not None and self.ff_out[pos][0] is not None:
             total["H"] += self.ff_out[pos][0].untyped_storage().nbytes()
+        if self.token_norms[pos] is not None:  # exposure's token weights, (B, T) fp32
+            total["H"] += self.token_norms[pos].untyped_storage().nbytes()
         action = "L" if "L" in states else "H" if "H" in states or not states else "E"
         return action, total
 

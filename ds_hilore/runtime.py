@@ -24,7 +24,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from ._errors import HiLoReError, bug
+from . import exposure
+from ._errors import HiLoReError
 from .bundle import CapturePlan, Counters, LayerFrame, WeightRef
 from .config import HiLoReConfig
 from .units import LayerUnits, Unit, find_units
@@ -76,6 +77,11 @@ class _Microbatch:
         self.frames: dict[int, weakref.ref] = {}  # layer index -> frame
         self.last_layer = -1
         self.coefficients: torch.Tensor | None = None
+        self.exposure: dict[str, torch.Tensor] = {}  # unit name -> (B,) E_{u,i}
+        self.token_weights: torch.Tensor | None = None  # (B, T) |ω| on hidden positions
+        self.source: str | None = None
+        self.zero_rows: list[int] = []
+        self.hidden_grad_seen = False
         self.summary: dict[str, Any] = {}
 
     def frame(self, layer_index: int) -> LayerFrame | None:
@@ -231,34 +237,73 @@ class HiLoReRuntime:
         frame.downgrade(pos, action, rows)
         self._summarise(self._mb)
 
-    def set_coefficients(self, coefficients: torch.Tensor) -> None:
+    def set_coefficients(self, coefficients: torch.Tensor, offset: int | None = None) -> None:
         """Hand the loss coefficients ω (B, T') of the current microbatch to the runtime.
 
-        Sequences whose ω is exactly zero are elided at once from every H/L unit (their slices
-        are never read by a non-zero gradient, NOTE [ Exact zeros ] in bundle.py).
+        Column j of ω belongs to hidden position ``offset + j``; by default ω ends at position
+        T - 2 (the hidden state at t produces the log-prob of token t + 1), which is where
+        ``logits[:, :-1]`` / ``logits_to_keep`` log-probs come from. Sequences whose ω is exactly zero are elided at once
+        from every H/L unit (NOTE [ Exact zeros ] in bundle.py); exposure is computed per unit
+        and sequence. ``ds_hilore.grpo.policy_loss`` calls this by itself.
         """
         mb = self._mb
         if mb is None or not mb.frames:
             return
-        coefficients = coefficients.detach()
         if coefficients.dim() != 2:
-            raise HiLoReError(f"set_coefficients expects (B, T') coefficients, got {tuple(coefficients.shape)}")
-        mb.coefficients = coefficients
-        zero_rows = (coefficients == 0).all(dim=1).nonzero().flatten().tolist()  # sequences
-        all_zero = len(zero_rows) == coefficients.shape[0]
-        if self.collective is not None:
-            all_zero = bool(self.collective.all_reduce_max([0 if all_zero else 1])[0] == 0)
-        for frame in mb.live_frames():
+            raise HiLoReError(f"set_coefficients expects (B, T') coefficients, got "
+                              f"{tuple(coefficients.shape)}")
+        mb.coefficients = coefficients.detach()
+        self._apply_exposure(mb, mb.coefficients, offset, source="analytic")
+
+    @property
+    def exposure(self) -> dict[str, list[float]]:
+        """E_{u,i} of the current microbatch: unit name -> one value per sequence (H/L units)."""
+        return {} if self._mb is None else {k: v.tolist() for k, v in self._mb.exposure.items()}
+
+    @property
+    def token_weights(self) -> torch.Tensor | None:
+        """|ω| (analytic) or ‖∂L/∂h_t‖ (automatic) of the current microbatch on hidden positions (B, T)."""
+        return None if self._mb is None else self._mb.token_weights
+
+    def _apply_exposure(self, mb: _Microbatch, coefficients: torch.Tensor, offset, source: str):
+        frames = mb.live_frames()
+        for frame in frames:
             if frame.batch != coefficients.shape[0]:
-                raise HiLoReError(f"set_coefficients: {coefficients.shape[0]} sequences, but the "
-                                  f"microbatch's forward had {frame.batch}; pass the coefficients "
-                                  "of the same microbatch (one row per sequence).")
-            frame.elided_rows = set(zero_rows)
-            frame.skip_zero_recompute = all_zero
-            for pos, action in enumerate(frame.plan.actions):
-                if action != "R" and zero_rows:
-                    frame.downgrade(pos, "E", zero_rows)
+                raise HiLoReError(f"{coefficients.shape[0]} sequences of coefficients, but the "
+                                  f"microbatch's forward had {frame.batch}; pass those of the same "
+                                  "microbatch (one row per sequence).")
+        if not frames:
+            return
+        abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
+        zero = exposure.zero_rows(abs_omega)
+        all_zero = len(zero) == abs_omega.shape[0]
+        if source == "analytic" and self.collective is not None:  # every rank must agree
+            all_zero = self.collective.all_reduce_max([0 if all_zero else 1])[0] == 0
+        mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
+        for frame in frames:
+            frame.elided_rows = set(zero)
+            frame.skip_zero_recompute = all_zero and source == "analytic"
+            for pos, unit in enumerate(frame.layer.units):
+                if frame.plan.actions[pos] == "R":
+                    continue
+                if zero:
+                    frame.downgrade(pos, "E", zero)
+                norms = frame.token_norms[pos]
+                if norms is not None and norms.shape == abs_omega.shape:
+                    weights = exposure.token_weights(norms, _window(abs_omega, coefficients, offset))
+                    mb.exposure[unit.name] = exposure.slice_exposure(abs_omega, weights)
         self._summarise(mb)
+
+    def _on_hidden_grad(self, mb: _Microbatch, grad: torch.Tensor) -> None:
+        """Automatic exposure source: fires after the LM-head backward, before any layer's."""
+        mb.hidden_grad_seen = True
+        if self.config.exposure_source == "analytic":
+            return
+        if self.config.exposure_source == "auto" and mb.coefficients is not None:
+            return
+        if grad.dim() != 3 or mb is not self._mb:
+            return
+        self._apply_exposure(mb, exposure.hidden_grad_norms(grad), 0, source="hidden_grad")
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -341,7 +386,14 @@ class HiLoReRuntime:
         out = frame.run()
         if layer.index == self._layers[-1].index:
             self._summarise(mb)
+            self._watch_last_hidden(mb, out)
         return out
+
+    def _watch_last_hidden(self, mb: _Microbatch, out) -> None:
+        hidden = out if isinstance(out, torch.Tensor) else next(
+            (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(functools.partial(self._on_hidden_grad, mb))
 
     def _microbatch_for(self, layer_index: int) -> _Microbatch:
         """A layer index not above the previous one starts a new forward: a new microbatch."""
@@ -370,7 +422,8 @@ class HiLoReRuntime:
                 actions[action] += 1
                 for k, v in held.items():
                     nbytes[k] += v
-        mb.summary.update(index=mb.index, actions=actions, bytes=nbytes, counters=mb.counters)
+        mb.summary.update(index=mb.index, actions=actions, bytes=nbytes, counters=mb.counters,
+                          exposure_source=mb.source, exact_zero_sequences=len(mb.zero_rows))
 
     @staticmethod
     def _microbatch_stats(summary: dict) -> dict[str, Any]:
@@ -378,7 +431,9 @@ class HiLoReRuntime:
         return {"index": summary.get("index"), "actions": dict(summary.get("actions", {})),
                 "bytes": dict(summary.get("bytes", {})), "recomputed_units": c.recomputed_units,
                 "pack_s": c.pack_s, "unpack_s": c.unpack_s, "recompute_s": c.recompute_s,
-                "nonfinite_slices": c.nonfinite_slices, "_rel_errors": list(c.rel_errors)}
+                "nonfinite_slices": c.nonfinite_slices, "_rel_errors": list(c.rel_errors),
+                "exposure_source": summary.get("exposure_source"),
+                "exact_zero_sequences": summary.get("exact_zero_sequences", 0)}
 
     # ------------------------------------------------------------------ helpers
     def _unit(self, name: str) -> Unit:
@@ -433,6 +488,14 @@ class HiLoReRuntime:
         n = min(256, flat.numel())
         return bool(torch.equal(flat[:n], ref[:n].to(base.dtype))
                     and torch.equal(flat[-n:], ref[-n:].to(base.dtype)))
+
+
+def _window(abs_omega: torch.Tensor, coefficients: torch.Tensor, offset: int | None) -> torch.Tensor:
+    """1 on the hidden positions ω covers, 0 elsewhere: (B, T)."""
+    covered = torch.zeros_like(abs_omega)
+    start = exposure.default_offset(abs_omega.shape[1], coefficients.shape[1]) if offset is None else offset
+    covered[:, start:start + coefficients.shape[1]] = 1.0
+    return covered
 
 
 def _is_gc_layer(module: nn.Module) -> bool:

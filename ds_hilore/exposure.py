@@ -1,0 +1,73 @@
+"""Policy-update exposure: how much the current update depends on each unit's slice of each sequence.
+
+Pure functions of plain tensors (DESIGN.md §5, paper §3.2 and App. B.1):
+
+    E_{u,i} = Σ_t |ω_{i,t}| · a_{u,t}
+
+ω_{i,t} = ∂L/∂logp_t is the per-token loss coefficient (analytic source: ``ds_hilore.grpo``), or,
+for any loss, the per-token norm ‖∂L/∂h_t‖ of the gradient arriving at the last hidden state
+(automatic source). a_{u,t} is an activation-based token weight: the norm of the unit's input at
+position t, normalised to mean 1 over the positions ω covers, within the unit and microbatch.
+A sequence whose ω is exactly zero everywhere contributes nothing to any parameter gradient
+(causal attention never mixes sequences): it is *exact-zero* and its slices need no storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SOURCES = ("analytic", "hidden_grad")
+
+
+def align(coefficients: torch.Tensor, seq_len: int, offset: int | None = None) -> torch.Tensor:
+    """|ω| placed on hidden positions: (B, T') -> (B, T), zero where ω has no column.
+
+    Args:
+        coefficients: (B, T') ω of the microbatch.
+        seq_len: T, the number of hidden positions of the forward.
+        offset: hidden position of ω's first column. Default: ω ends at position T - 2, since
+            the hidden state at t produces the log-prob of token t + 1 and the last position
+            predicts nothing (``T - 1 - T'``; 0 when T' = T).
+    """
+    batch, cols = coefficients.shape
+    offset = default_offset(seq_len, cols) if offset is None else offset
+    if offset < 0 or offset + cols > seq_len:
+        raise ValueError(f"coefficients with {cols} positions at offset {offset} do not fit in "
+                         f"{seq_len} hidden positions; pass the (B, T') ω of this microbatch "
+                         "with T' <= T, or the right offset.")
+    out = coefficients.new_zeros((batch, seq_len), dtype=torch.float32)  # (B, T)
+    out[:, offset:offset + cols] = coefficients.detach().abs().float()
+    return out
+
+
+def default_offset(seq_len: int, cols: int) -> int:
+    return max(seq_len - 1 - cols, 0)
+
+
+def token_weights(norms: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
+    """a_{u,t}: per-token activation norms (B, T) scaled to mean 1 over ``covered`` positions."""
+    norms = norms.float() * covered  # (B, T)
+    mean = norms.sum() / covered.sum().clamp_min(1)
+    return norms / mean.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def slice_exposure(abs_omega: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """E_{u,i} for every sequence i: (B, T) |ω| and (B, T) a_u -> (B,)."""
+    return (abs_omega * weights).sum(dim=1)
+
+
+def zero_rows(abs_omega: torch.Tensor) -> list[int]:
+    """Sequences whose coefficients are exactly zero at every position."""
+    return (abs_omega == 0).all(dim=1).nonzero().flatten().tolist()
+
+
+def hidden_grad_norms(grad: torch.Tensor) -> torch.Tensor:
+    """Automatic source: per-token ‖∂L/∂h_t‖ from the last hidden state's gradient (B, T, H) -> (B, T)."""
+    return grad.detach().float().norm(dim=-1)
+
+
+def input_norms(hidden: torch.Tensor) -> torch.Tensor | None:
+    """Per-token norm of a unit's input (B, T, H) -> (B, T); None for other shapes."""
+    if hidden.dim() != 3 or not hidden.is_floating_point():
+        return None
+    return hidden.detach().float().norm(dim=-1)
