@@ -99,6 +99,7 @@ def test_exposure_matches_the_formula():
     out.loss.backward()
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_automatic_source_sees_the_last_hidden_gradient_first():
     inputs = batch(batch_size=3, seq=16)
     model = tiny_model("llama", layers=2)

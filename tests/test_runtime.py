@@ -127,9 +127,10 @@ def _retained_after_forward(model, inputs, autocast=None):
     return sum(n for n, _, _ in live), live
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_all_R_retains_exactly_what_gradient_checkpointing_retains(lora):
-    model = _build("llama", lora, hidden=64, intermediate=128)
+@pytest.mark.parametrize("arch,lora", [("llama", False), ("llama", True), ("phi3", False),
+                                       ("gpt_neox", True)])
+def test_all_R_retains_exactly_what_gradient_checkpointing_retains(arch, lora):
+    model = _build(arch, lora, hidden=64, intermediate=128)
     inputs = batch(seq=32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gc_bytes, _ = _retained_after_forward(model, inputs)
@@ -222,6 +223,17 @@ def test_gradient_checkpointing_toggle_and_no_grad():
     assert "_set_gradient_checkpointing" not in model.__dict__
     layer = model.model.layers[0]
     assert layer.gradient_checkpointing and type(layer._gradient_checkpointing_func).__name__ == "partial"
+
+
+def test_activation_checkpointing_names_switch_too():
+    model = _build("qwen2", lora=False)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    model.activation_checkpointing_disable()
+    assert not runtime.enabled
+    model.activation_checkpointing_enable()
+    assert runtime.enabled
+    loss_and_grads(model, batch())
+    assert len(runtime.stats["microbatches"]) == 1
 
 
 def test_detach_after_switching_off_leaves_checkpointing_off():
