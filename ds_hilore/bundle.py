@@ -13,7 +13,7 @@ which attributes it to the sub-block (unit) whose child module is executing and 
   anyway, exactly as gradient checkpointing retains them (rule 2);
 * activations of an ``H`` unit are kept as they are, of an ``L`` unit packed per sequence, of an
   ``R`` unit dropped. Exposure may split a unit per sequence: row blocks kept ``H``, packed
-  ``L`` or elided ``E`` (a sequence whose loss coefficients are all zero; zeros on unpack).
+  ``L`` or elided ``E`` (a sequence whose loss coefficients are all zero: NOTE [ Exact zeros ]).
 
 On backward, the first unpack of an empty slot re-runs the layer from its inputs with the
 forward's RNG and autocast state (NOTE [ Recompute ]).
@@ -46,6 +46,19 @@ from .exposure import input_norms
 from .units import LayerUnits
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# NOTE [ Exact zeros ]
+# A sequence whose loss coefficients are all exactly zero receives exactly zero gradient at
+# every position of every layer (causal attention never mixes sequences), so its saved values
+# only ever meet zeros in backward: any finite stand-in gives bitwise-equal parameter
+# gradients. The stand-in is 1 for floats, not 0: backward formulas that divide by a saved
+# value (sqrt, division, negative powers) would turn 0 / 0 into NaN, and 0 · NaN stays NaN.
+# Integer and bool tensors get 0 (always a valid index). Whole-microbatch elision skips the
+# recompute only when every rank agrees, or ZeRO-3's collectives would diverge.
+
+
+def _stand_in_value(dtype: torch.dtype):
+    return 1 if dtype.is_floating_point else 0
 
 
 class _StopRecompute(Exception):
@@ -154,7 +167,7 @@ class Stored:
     """One activation storage kept by a unit: whole, or as per-sequence row blocks.
 
     Whole: the tensors saved by forward are referenced as they are (bitwise exact, no copy).
-    Rows: ``parts[i]`` is a tensor copy (H), a codec ``Packed`` (L) or None (E: zeros).
+    Rows: ``parts[i]`` is a tensor copy (H), a codec ``Packed`` (L) or None (E: a stand-in).
     """
 
     __slots__ = ("base", "rows", "block", "group", "parts", "pending", "slots", "buffer", "nbytes",
@@ -237,7 +250,7 @@ class Stored:
             blocks = buffer.view(self.rows, self.block)  # (B, block)
             for i, part in enumerate(self.parts):
                 if part is None:
-                    blocks[i].zero_()
+                    blocks[i].fill_(_stand_in_value(self.dtype))
                 elif isinstance(part, torch.Tensor):
                     blocks[i].copy_(part)
                 else:
@@ -501,11 +514,9 @@ class LayerFrame:
             return slot.ref
         t = slot.take()
         if t is None and self.skip_zero_recompute:
-            # NOTE [ Exact zeros ]: every sequence has zero loss coefficients, so every gradient
-            # reaching this layer is exactly zero; finite stand-ins give bitwise-equal results.
             shape, dtype = self.shapes[slot.pos][self._index(slot)]
             slot.consumed = True
-            return torch.zeros(shape, dtype=dtype, device=self.args[0].device)
+            return torch.full(shape, _stand_in_value(dtype), dtype=dtype, device=self.args[0].device)
         if t is None:
             self._recompute(slot.pos)
             t = slot.take()
