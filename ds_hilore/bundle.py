@@ -594,6 +594,11 @@ class LayerFrame:
         if slot is not None and slot.empty():
             slot.ref = t.detach()
             slot.consumed = False
+        if all(self.rc_counts[p] == len(self.shapes[p]) for p in self.rc_need):
+            # Everything needed is back: stop inside this op, as torch's non-reentrant checkpoint
+            # does. Running on to the end of the module would fire its post-forward hooks, and
+            # ZeRO-3's would release the parameters the current backward has just gathered.
+            raise _StopRecompute
         return None
 
 

@@ -1,0 +1,299 @@
+"""DeepSpeed glue: ``ds_hilore.initialize`` = ``deepspeed.initialize`` + the HiLoRe runtime.
+
+This is the only ds_hilore module that imports DeepSpeed's engine internals (DESIGN.md §7);
+the runtime itself works on any ``nn.Module``.
+
+Example::
+
+    engine, optimizer, _, scheduler = ds_hilore.initialize(model=model,
+                                                           model_parameters=model.parameters(),
+                                                           config="ds_config.json")
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()                 # runs engine.hilore.end_step() on each optimizer step
+    print(engine.hilore.stats)
+
+Launch as with DeepSpeed: ``deepspeed --num_gpus N train.py --deepspeed_config cfg.json`` or
+``mpirun -np N python train.py ...``; on a machine without GPUs set ``DS_ACCELERATOR=cpu``.
+
+With ``"hilore": {"enabled": false}`` (or no ``"hilore"`` block) ``initialize`` is exactly
+``deepspeed.initialize``: nothing is attached, the engine keeps its class, and
+``engine.hilore`` is ``None``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any, Mapping, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+from ._errors import HiLoReConfigError, HiLoReError
+from .config import HiLoReConfig
+
+__all__ = ["initialize", "TorchDistCollective", "setup_key", "CHECKPOINT_KEY"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "ds_hilore"  # client_state entry that carries the runtime's learned state
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Any = None, config: Any = None, mesh_param: Any = None,
+               config_params: Any = None):
+    """``deepspeed.initialize`` with HiLoRe as the model's activation checkpointing.
+
+    Args: exactly those of ``deepspeed.initialize``; the ``"hilore"`` block is read from the
+        same ds_config (``config``, ``config_params`` or ``args.deepspeed_config``: a dict, a
+        path, or base64 text).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``deepspeed.initialize``.
+        ``engine.hilore`` is the attached runtime, or ``None`` when HiLoRe is disabled.
+
+    Raises:
+        HiLoReConfigError: an invalid ``"hilore"`` block (e.g. ``memory_budget`` < 1.0).
+        HiLoReError: pipeline parallelism (a ``PipelineModule`` or a ``"pipeline"`` block).
+
+    Warns:
+        ``activation_checkpointing`` and ``hilore`` both configured (HiLoRe wins);
+        ``memory_budget_bytes`` below what gradient checkpointing needs (falls back to GC).
+    """
+    ds_config = _resolve_ds_config(args, config, config_params)
+    hilore_config = HiLoReConfig.from_ds_config(ds_config)
+    if hilore_config.enabled:
+        _check_supported(model, ds_config)
+    engine, ds_optimizer, dataloader, scheduler = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+        training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+        mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+        mesh_param=mesh_param, config_params=config_params)
+    engine.hilore = None
+    if hilore_config.enabled:
+        _attach_runtime(engine, hilore_config)
+    return engine, ds_optimizer, dataloader, scheduler
+
+
+# ---- configuration ---------------------------------------------------------------------
+def _resolve_ds_config(args: Any, config: Any, config_params: Any) -> dict:
+    """The ds_config as a dict, found where ``deepspeed.initialize`` looks for it."""
+    if config is None:
+        config = config_params
+    for name in ("deepspeed_config", "deepscale_config"):
+        if config is None and getattr(args, name, None) is not None:
+            config = getattr(args, name)
+    if config is None:
+        raise HiLoReConfigError(
+            "no ds_config given. Fix: pass config=<dict or path> to ds_hilore.initialize, or "
+            "--deepspeed_config <path> in args, as for deepspeed.initialize.")
+    if isinstance(config, Mapping):
+        return dict(config)
+    return load_ds_config(config)  # a path or base64 text, read as deepspeed.initialize reads it
+
+
+# NOTE [ Which activation checkpointing wins ]
+# DeepSpeed's "activation_checkpointing" block configures deepspeed.checkpointing, which only
+# acts where model code calls deepspeed.checkpointing.checkpoint (Megatron-style models);
+# transformers models checkpoint through their GradientCheckpointingLayers, which HiLoRe
+# takes over. With both configured HiLoRe wins for every decoder layer it manages: we warn
+# instead of failing, because stock DeepSpeed configs often carry that block, and
+# "hilore": {"enabled": false} gives DeepSpeed's behaviour back.
+def _check_supported(model: Optional[torch.nn.Module], ds_config: Mapping) -> None:
+    pipeline = ds_config.get("pipeline") or {}
+    stages = pipeline.get("stages", 1) if isinstance(pipeline, Mapping) else pipeline
+    if isinstance(model, PipelineModule) or stages not in (1, None):
+        what = "the model is a PipelineModule" if isinstance(model, PipelineModule) else \
+            f'the ds_config has a "pipeline" block {pipeline}'
+        raise HiLoReError(
+            f"HiLoRe does not support DeepSpeed pipeline parallelism ({what}): the pipeline "
+            "engine schedules its own activation checkpointing per stage. Fix: train with ZeRO "
+            "data parallelism (stages 0-3) and a plain nn.Module, or set "
+            '"hilore": {"enabled": false} to keep pipeline parallelism without HiLoRe.')
+    if "activation_checkpointing" in ds_config:
+        warnings.warn(
+            'the ds_config has both "hilore" (enabled) and DeepSpeed\'s "activation_checkpointing" '
+            "block. HiLoRe wins: it is the activation checkpointing of every decoder layer it "
+            "manages, and the activation_checkpointing block only affects code that calls "
+            "deepspeed.checkpointing itself. Fix: remove the activation_checkpointing block, or "
+            'set "hilore": {"enabled": false} to use DeepSpeed\'s checkpointing instead.',
+            UserWarning, stacklevel=3)
+
+
+# ---- attaching ---------------------------------------------------------------------------
+def _attach_runtime(engine: Any, hilore_config: HiLoReConfig) -> None:
+    from .runtime import attach  # the runtime needs no DeepSpeed; imported when enabled only
+
+    runtime = attach(engine.module, hilore_config)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        runtime.collective = TorchDistCollective()
+    engine.hilore = runtime
+    engine.__class__ = _hilore_engine_class(type(engine))
+    _check_budget(runtime, hilore_config)
+
+
+_ENGINE_CLASSES: dict[type, type] = {}
+
+
+def _hilore_engine_class(base: type) -> type:
+    """``base`` (DeepSpeedEngine or a subclass) with HiLoRe's step and checkpoint hooks."""
+    if issubclass(base, HiLoReEngineMixin):
+        return base
+    if base not in _ENGINE_CLASSES:
+        _ENGINE_CLASSES[base] = type(f"HiLoRe{base.__name__}", (HiLoReEngineMixin, base), {})
+    return _ENGINE_CLASSES[base]
+
+
+class HiLoReEngineMixin:
+    """Hooks on a DeepSpeed engine; the class of an engine is switched to include it.
+
+    * ``step``: ``hilore.end_step()`` once per optimizer step, i.e. when DeepSpeed's
+      ``global_steps`` advanced (gradient-accumulation micro-steps do not count; an fp16
+      overflow-skipped step does, as DeepSpeed counts it).
+    * ``save_checkpoint`` / ``load_checkpoint``: carry the runtime's learned state in
+      DeepSpeed's own ``client_state`` (NOTE [ HiLoRe state in checkpoints ]).
+    """
+
+    hilore: Any
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        steps_before = self.global_steps
+        result = super().step(*args, **kwargs)
+        if self.global_steps != steps_before:
+            self.hilore.end_step()
+            self._log_hilore_stats()
+        return result
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
+                        *args: Any, **kwargs: Any) -> Any:
+        client_state = dict(client_state or {})
+        if CHECKPOINT_KEY in client_state:
+            raise HiLoReError(f"client_state has the key {CHECKPOINT_KEY!r}, which ds_hilore uses "
+                              "for HiLoRe's learned state. Fix: rename your key.")
+        client_state[CHECKPOINT_KEY] = {"setup": setup_key(), "runtime": self.hilore.state_dict()}
+        return super().save_checkpoint(save_dir, tag, client_state, *args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        load_path, client_state = super().load_checkpoint(*args, **kwargs)
+        if load_path is None or client_state is None:
+            return load_path, client_state
+        _restore_runtime_state(self.hilore, client_state.pop(CHECKPOINT_KEY, None), load_path)
+        return load_path, client_state
+
+    def _log_hilore_stats(self) -> None:
+        interval = self.hilore.config.log_interval
+        if interval and self.global_steps % interval == 0 and self.global_rank == 0:
+            logger.info("hilore step %d, plan %s: %s", self.global_steps, self.hilore.plan_hash(),
+                        self.hilore.stats)
+
+
+# ---- checkpoints -------------------------------------------------------------------------
+# NOTE [ HiLoRe state in checkpoints ]
+# The learned state (calibration, profiles, plan cache) rides in DeepSpeed's client_state,
+# not in a side file: DeepSpeed writes it inside the model-states file it already writes
+# (through its checkpoint engine, so async/decoupled writers and the "latest" tag apply), it
+# is read back on every rank by load_checkpoint, and it cannot go missing or get out of step
+# with the weights the way a separate hilore_state.pt could. The state is rank 0's (the rank
+# that decides plans from all-reduced statistics and broadcasts them), so every rank
+# restoring the same copy keeps plans identical across ranks.
+# Timings and calibration only hold on the setup that measured them, so the state is keyed
+# by setup_key(); on a different setup it is dropped and HiLoRe profiles again.
+def setup_key() -> dict[str, Any]:
+    """What learned state depends on: device type (and model), world size, torch version."""
+    accelerator = get_accelerator()
+    device = accelerator.device_name()
+    name = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else device
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return {"device_type": device, "device_name": name, "world_size": world_size,
+            "torch_version": torch.__version__}
+
+
+def _restore_runtime_state(runtime: Any, saved: Optional[Mapping], load_path: str) -> None:
+    current = setup_key()
+    if saved is None:
+        logger.info("checkpoint %s has no HiLoRe state (saved without ds_hilore): HiLoRe "
+                    "profiles and calibrates from scratch.", load_path)
+    elif saved["setup"] != current:
+        logger.warning("HiLoRe state in checkpoint %s was learned on %s, this run is %s: dropped; "
+                       "HiLoRe profiles and calibrates again.", load_path, saved["setup"], current)
+    else:
+        runtime.load_state_dict(saved["runtime"])
+        logger.info("HiLoRe state restored from checkpoint %s (same setup: no recalibration).",
+                    load_path)
+
+
+# ---- memory budget -----------------------------------------------------------------------
+# NOTE [ Budget below gradient checkpointing ]
+# memory_budget (a multiple >= 1.0 of GC's measured peak) can never be below GC.
+# memory_budget_bytes can: a budget smaller than what is already in use once DeepSpeed holds
+# parameters, gradients and optimizer state is certainly below GC's peak. HiLoRe then does
+# exactly what GC does (every unit R), never more, so it cannot OOM where GC would not.
+# The check uses the max over ranks so that every rank takes the same decision.
+def _check_budget(runtime: Any, hilore_config: HiLoReConfig) -> None:
+    budget = hilore_config.memory_budget_bytes
+    if budget is None:
+        return
+    from .memory import in_use_bytes
+
+    in_use = in_use_bytes()  # bytes
+    if runtime.collective is not None:
+        in_use = runtime.collective.all_reduce_max([in_use])[0]
+    if in_use <= budget:
+        return
+    forced = hilore_config.force_plan is not None
+    warnings.warn(
+        f"hilore.memory_budget_bytes = {budget} is below what gradient checkpointing needs: "
+        f"{in_use} bytes are in use per rank (max over ranks) right after deepspeed.initialize. "
+        + ("force_plan is set and overrides the budget, so it is kept. " if forced else
+           "HiLoRe falls back to gradient checkpointing (every unit R). ")
+        + "Fix: raise memory_budget_bytes, or use memory_budget (a multiple >= 1.0 of GC's peak).",
+        UserWarning, stacklevel=4)
+    if not forced:
+        runtime.set_plan("R")
+
+
+# ---- rank consistency --------------------------------------------------------------------
+class TorchDistCollective:
+    """``runtime.collective`` over torch.distributed: every rank executes the same plan.
+
+    Rank 0 of the group decides (from all-reduced statistics) and broadcasts the action
+    vector; ZeRO-3 gathers are collectives, so ranks with different plans would hang.
+    Every method is a collective: all ranks must call it, in the same order, with lists of
+    the same length.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group  # None = the default (world) group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        cpu_backends = ("gloo", "mpi", "ccl")
+        self.device = "cpu" if dist.get_backend(group) in cpu_backends else \
+            get_accelerator().current_device_name()
+
+    def broadcast_actions(self, actions: list[str]) -> list[str]:
+        """Rank 0's ``actions`` on every rank (other ranks' input is ignored)."""
+        box = [list(actions) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                   group=self.group)
+        return box[0]
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """Element-wise max over ranks."""
+        return self._all_reduce(values, torch.int64, dist.ReduceOp.MAX)
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (float64)."""
+        return self._all_reduce(values, torch.float64, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, values: list, dtype: torch.dtype, op: Any) -> list:
+        tensor = torch.tensor(list(values), dtype=dtype, device=self.device)  # (n,)
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor.tolist()

@@ -1,0 +1,264 @@
+"""ds_hilore.initialize on a 1-rank DeepSpeed engine in this process (DS_ACCELERATOR=cpu).
+
+Errors and warnings of initialize, "enabled: false" = plain DeepSpeed, the step hook, the
+checkpoint keying of HiLoRe's learned state, ZeRO stages 0/1 with bf16/fp16, and the
+collective on one rank. The 2-rank runs are in test_engine_distributed.py.
+
+Equality here is bitwise: the HiLoRe and GC runs use the same ds_config apart from the
+"hilore" block, so DeepSpeed reduces in the same order; H stores what the forward saved and
+R recomputes it with the forward's RNG state, so every saved tensor is bitwise the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+import ds_hilore.engine as engine_mod  # noqa: E402
+from ds_hilore import HiLoReConfigError, HiLoReError  # noqa: E402
+from tests.launch import free_port  # noqa: E402
+from tests.workers import ds_engine_worker as worker  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    """torch.distributed as a 1-rank gloo group (DeepSpeed initialises it on first use).
+
+    The env vars are restored afterwards (NOTE [ Clean rank environment ] in tests/launch.py);
+    the process group stays, as DeepSpeed cannot be re-initialised in one process.
+    """
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def ds_config(name: str = "zero2_hilore", **hilore) -> dict:
+    """A ds_config of ds_configs/ with ``hilore`` merged into its "hilore" block."""
+    config = json.loads((CONFIGS / f"{name}.json").read_text())
+    if "memory_budget_bytes" in hilore:  # the two budgets exclude each other
+        config["hilore"].pop("memory_budget")
+    config.setdefault("hilore", {}).update(hilore)
+    return config
+
+
+def make(config: dict, model: str = "full", gc: bool = False, init=engine_mod.initialize):
+    lm = worker.build_model(model, gc=gc)
+    engine, *_ = init(model=lm, model_parameters=[p for p in lm.parameters() if p.requires_grad],
+                      config=config)
+    return engine
+
+
+def run(engine, steps: int = 2, first: int = 1) -> tuple[list[str], dict[str, str]]:
+    """Losses (float.hex) of every micro-step and the digest of every final parameter."""
+    record = {"losses": [], "steps": []}
+    worker.train(engine, "lm", first, first + steps - 1, 0, record)
+    return record["losses"], {n: worker.digest(t) for n, t in worker.full_parameters(engine).items()}
+
+
+@pytest.fixture(scope="module")
+def gc_reference():
+    """The HF gradient-checkpointing run (2 steps, ZeRO-2) every HiLoRe run must match."""
+    config = ds_config()
+    del config["hilore"]
+    return run(make(config, gc=True))
+
+
+# ---- the call itself ---------------------------------------------------------------------
+def test_signature_is_deepspeeds():
+    ours = inspect.signature(engine_mod.initialize).parameters
+    theirs = inspect.signature(deepspeed.initialize).parameters
+    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in theirs.values()]
+
+
+def test_configs_gc_baseline_is_hilore_config_without_its_block():
+    hilore = json.loads((CONFIGS / "zero2_hilore.json").read_text())
+    baseline = json.loads((CONFIGS / "zero2_gc_baseline.json").read_text())
+    assert hilore.pop("hilore")["enabled"] is True
+    assert hilore == baseline
+    for name in ("zero3_hilore", "zero3_lora_hilore"):
+        config = json.loads((CONFIGS / f"{name}.json").read_text())
+        assert config["zero_optimization"]["stage"] == 3 and config["hilore"]["enabled"] is True
+
+
+@pytest.mark.parametrize("block", [None, {"enabled": False}], ids=["no_block", "enabled_false"])
+def test_disabled_is_plain_deepspeed(block, gc_reference):
+    config = ds_config()
+    del config["hilore"]
+    if block is not None:
+        config["hilore"] = block
+    engine = make(config, gc=True)
+    assert type(engine) is deepspeed.DeepSpeedEngine and engine.hilore is None
+    from ds_hilore.runtime import find_runtime
+    assert find_runtime(engine.module) is None
+    assert run(engine) == gc_reference  # bitwise: losses and every parameter
+
+
+def test_config_from_args_deepspeed_config(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds_config(force_plan="R")))
+    lm = worker.build_model("full", gc=False)
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    engine, *_ = engine_mod.initialize(args=args, model=lm, model_parameters=lm.parameters())
+    assert engine.hilore is not None and engine.hilore.config.force_plan == "R"
+
+
+# ---- errors and warnings -----------------------------------------------------------------
+def test_memory_budget_below_one_is_rejected():
+    with pytest.raises(HiLoReConfigError, match=r"memory_budget = 0\.5 .*>= 1\.0.*Fix"):
+        make(ds_config(memory_budget=0.5))
+
+
+def test_pipeline_module_is_unsupported():
+    from deepspeed.pipe import PipelineModule
+
+    pipe = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1)
+    with pytest.raises(HiLoReError, match=r"does not support DeepSpeed pipeline parallelism.*Fix"):
+        engine_mod.initialize(model=pipe, model_parameters=pipe.parameters(), config=ds_config())
+
+
+def test_pipeline_block_is_unsupported():
+    config = {**ds_config(), "pipeline": {"stages": 2}}
+    with pytest.raises(HiLoReError, match=r'"pipeline" block.*"enabled": false'):
+        make(config)
+
+
+def test_activation_checkpointing_block_warns_and_hilore_wins(gc_reference):
+    config = {**ds_config(force_plan="R"), "activation_checkpointing": {"partition_activations": False}}
+    with pytest.warns(UserWarning, match="HiLoRe wins"):
+        engine = make(config)
+    assert run(engine) == gc_reference
+    assert engine.hilore.stats["recomputed_units"] == 2 * len(engine.hilore.units)  # GAS 2
+
+
+def test_budget_below_gc_falls_back_to_gc(gc_reference):
+    with pytest.warns(UserWarning, match="falls back to gradient checkpointing"):
+        engine = make(ds_config(memory_budget_bytes=1))
+    assert engine.hilore.plan_actions() == ["R"] * len(engine.hilore.units)
+    assert run(engine) == gc_reference
+    assert engine.hilore.stats["actions"]["R"] == 2 * len(engine.hilore.units)
+
+
+def test_budget_below_gc_keeps_force_plan():
+    with pytest.warns(UserWarning, match="force_plan is set and overrides the budget"):
+        engine = make(ds_config(memory_budget_bytes=1, force_plan="H"))
+    assert engine.hilore.plan_actions() == ["H"] * len(engine.hilore.units)
+
+
+# ---- the step hook -----------------------------------------------------------------------
+def test_end_step_once_per_optimizer_step(gc_reference):
+    engine = make(ds_config(force_plan="H"))
+    calls = []
+    original = engine.hilore.end_step
+    engine.hilore.end_step = lambda: (calls.append(engine.global_steps), original())[1]
+    assert run(engine) == gc_reference  # 2 steps x GAS 2 micro-steps
+    assert calls == [1, 2]
+    assert engine.hilore.stats["actions"] == {"H": 8, "L": 0, "R": 0, "E": 0}  # last step: 2 x 4 units
+    assert engine.hilore.stats["recomputed_units"] == 0
+
+
+@pytest.mark.parametrize("stage,precision", [(0, "bf16"), (1, "fp16")])
+def test_zero_stage_and_precision_match_gc(stage, precision):
+    def config(**hilore):
+        c = ds_config(**hilore)
+        c["zero_optimization"] = {"stage": stage}
+        c[precision] = {"enabled": True}
+        return c
+
+    baseline = config()
+    del baseline["hilore"]
+    reference = run(make(baseline, gc=True))
+    for plan in ("H", "R"):
+        assert run(make(config(force_plan=plan))) == reference, plan
+
+
+# ---- checkpoints -------------------------------------------------------------------------
+def _marked_state(engine) -> dict:
+    """A learned state that differs from a fresh runtime's, to see whether it was restored."""
+    engine.hilore.set_plan({"model.layers.0.*": "H"})
+    return engine.hilore.state_dict()
+
+
+def test_checkpoint_restores_state_on_same_setup(tmp_path, caplog):
+    saver = make(ds_config())
+    run(saver, steps=1)
+    saved = _marked_state(saver)
+    saver.save_checkpoint(str(tmp_path), tag="t", client_state={"user": 7})
+    loader = make(ds_config())
+    assert loader.hilore.state_dict() != saved
+    with caplog.at_level(logging.INFO, logger="ds_hilore.engine"):
+        path, client_state = loader.load_checkpoint(str(tmp_path), tag="t")
+    assert path is not None and client_state["user"] == 7
+    assert engine_mod.CHECKPOINT_KEY not in client_state  # HiLoRe's entry is taken out
+    assert loader.hilore.state_dict() == saved
+    assert "no recalibration" in caplog.text
+
+
+def test_checkpoint_drops_state_on_other_setup(tmp_path, caplog, monkeypatch):
+    saver = make(ds_config())
+    run(saver, steps=1)
+    saved = _marked_state(saver)
+    saver.save_checkpoint(str(tmp_path), tag="t")
+    loader = make(ds_config())
+    fresh = loader.hilore.state_dict()
+    other = {**engine_mod.setup_key(), "torch_version": "0.0.0"}
+    monkeypatch.setattr(engine_mod, "setup_key", lambda: other)
+    with caplog.at_level(logging.INFO, logger="ds_hilore.engine"):
+        path, client_state = loader.load_checkpoint(str(tmp_path), tag="t")
+    assert path is not None and engine_mod.CHECKPOINT_KEY not in client_state
+    assert loader.hilore.state_dict() == fresh != saved
+    assert "dropped; HiLoRe profiles and calibrates again" in caplog.text
+    assert "'torch_version': '0.0.0'" in caplog.text
+
+
+def test_checkpoint_of_plain_deepspeed_loads(tmp_path, caplog):
+    config = ds_config()
+    del config["hilore"]
+    make(config).save_checkpoint(str(tmp_path), tag="t")
+    loader = make(ds_config())
+    fresh = loader.hilore.state_dict()
+    with caplog.at_level(logging.INFO, logger="ds_hilore.engine"):
+        path, _ = loader.load_checkpoint(str(tmp_path), tag="t")
+    assert path is not None and loader.hilore.state_dict() == fresh
+    assert "has no HiLoRe state" in caplog.text
+
+
+def test_checkpoint_key_collision_is_an_error(tmp_path):
+    engine = make(ds_config())
+    with pytest.raises(HiLoReError, match="rename your key"):
+        engine.save_checkpoint(str(tmp_path), client_state={engine_mod.CHECKPOINT_KEY: 1})
+
+
+def test_setup_key_names_device_world_and_torch():
+    key = engine_mod.setup_key()
+    assert key == {"device_type": "cpu", "device_name": "cpu", "world_size": 1,
+                   "torch_version": torch.__version__}
+
+
+# ---- the collective ----------------------------------------------------------------------
+def test_collective_on_one_rank():
+    make(ds_config(enabled=False))  # makes sure the process group exists
+    collective = engine_mod.TorchDistCollective()
+    assert (collective.rank, collective.world_size, collective.device) == (0, 1, "cpu")
+    assert collective.broadcast_actions(["H", "R"]) == ["H", "R"]
+    assert collective.all_reduce_max([3, 2**40]) == [3, 2**40]
+    assert collective.all_reduce_sum([0.25]) == [0.25]
