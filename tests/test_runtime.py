@@ -84,7 +84,7 @@ class _CallCounter:
             child = "mlp" if unit.kind == "mlp" else next(
                 c for c in ("self_attn", "attention") if hasattr(layer, c))
             self.calls[unit.name] = 0
-            getattr(layer, child).register_forward_hook(
+            getattr(layer, child).register_forward_pre_hook(  # a re-run may stop inside
                 lambda *_, name=unit.name: self.calls.__setitem__(name, self.calls[name] + 1))
 
     def reset(self):
