@@ -138,6 +138,7 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig) -> None:
     engine.hilore = runtime
     engine.__class__ = _hilore_engine_class(type(engine))
     _check_budget(runtime, hilore_config)
+    runtime.sync_plan()
 
 
 _ENGINE_CLASSES: dict[type, type] = {}
@@ -169,6 +170,7 @@ class HiLoReEngineMixin:
         result = super().step(*args, **kwargs)
         if self.global_steps != steps_before:
             self.hilore.end_step()
+            self.hilore.sync_plan()
             self._log_hilore_stats()
         return result
 

@@ -362,12 +362,8 @@ def _hand_off(coefficients: Tensor, logp: Tensor, model: torch.nn.Module | None 
     """Gives ω to the HiLoRe runtime of ``model`` (or the only attached one) before the backward."""
     if not (torch.is_grad_enabled() and logp.requires_grad):
         return  # evaluation: no backward will follow, nothing was captured
-    try:
-        from ds_hilore.runtime import find_runtime
-    except ModuleNotFoundError as err:
-        if err.name not in ("ds_hilore.runtime", "ds_hilore"):
-            raise
-        return  # the runtime is not installed: the loss works on its own
+    from .runtime import find_runtime  # imported late: the losses work without a model
+
     runtime = find_runtime(model)
     if runtime is not None and runtime.enabled:
         runtime.set_coefficients(coefficients)

@@ -209,6 +209,20 @@ class HiLoReRuntime:
         """The capture action of every unit, in unit order, after ``force_plan``."""
         return [self.config.force_plan_for(u.name) or self._plan[u.name] for u in self._units]
 
+    def sync_plan(self) -> str:
+        """Make every rank capture with rank 0's plan; returns the plan hash.
+
+        A collective: every rank calls it at the same point (``ds_hilore.initialize`` and each
+        optimizer step do). ZeRO-3 gathers parameters in a recompute, so ranks whose plans
+        differed would issue different collectives and hang.
+        """
+        if self.collective is not None and self._units:
+            actions = self.collective.broadcast_actions([self._plan[u.name] for u in self._units])
+            self._plan = dict(zip((u.name for u in self._units), actions))
+        digest = self.plan_hash()
+        logger.debug("hilore plan %s", digest)
+        return digest
+
     def plan_hash(self) -> str:
         return hashlib.sha1("".join(self.plan_actions()).encode()).hexdigest()[:12]
 

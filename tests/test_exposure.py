@@ -121,3 +121,22 @@ def test_automatic_source_sees_the_last_hidden_gradient_first():
     expected = last["h"].grad.float().norm(dim=-1)  # (B, T)
     assert torch.equal(runtime.token_weights, expected)
     assert runtime.stats["microbatches"][-1]["exact_zero_sequences"] == 1
+
+
+def test_policy_loss_finds_the_only_runtime_and_skips_evaluation():
+    import gc
+    gc.collect()  # runtimes of earlier tests, whose models are gone
+    inputs = batch(batch_size=2, seq=16)
+    model = tiny_model("llama", layers=2)
+    runtime = ds_hilore.attach(model, dict(EXACT, force_plan="H"))
+    logits = model(**inputs).logits.float()
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
+    mask = inputs["attention_mask"][:, 1:].float()
+    with torch.no_grad():  # evaluation: no backward follows, nothing is handed over
+        grpo.policy_loss(logp.detach(), logp.detach(), torch.tensor([0.0, 1.0]), mask)
+    assert runtime.stats["microbatches"][-1]["exposure_source"] is None
+    others = [rt for rt in ds_hilore.runtime._ATTACHED if rt is not runtime]
+    for rt in others:
+        rt.detach()
+    grpo.policy_loss(logp, logp.detach(), torch.tensor([0.0, 1.0]), mask).loss.backward()
+    assert runtime.stats["microbatches"][-1]["exact_zero_sequences"] == 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ds_hilore.grpo import drop_zero_rows, global_num_items, group_advantages, policy_loss, token_logprobs
-from tests.models import tiny_model
+from models import tiny_model
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 LEVELS = ("token", "sequence")
@@ -172,40 +172,6 @@ def test_masked_positions_may_hold_anything(loss_type, level):
     assert torch.equal(dirty.loss, clean.loss) and torch.equal(dirty.coefficients, clean.coefficients)
     (grad,) = torch.autograd.grad(dirty.loss, dirty_logp)
     assert torch.equal(grad, torch.autograd.grad(clean.loss, clean_logp)[0])
-
-
-class _StubRuntime:
-    enabled = True
-
-    def __init__(self):
-        self.received = []
-
-    def set_coefficients(self, coefficients):
-        self.received.append(coefficients)
-
-
-def test_coefficients_are_handed_to_the_runtime_of_the_model(monkeypatch):
-    import ds_hilore.runtime
-
-    stub, asked = _StubRuntime(), []
-    monkeypatch.setattr(ds_hilore.runtime, "find_runtime", lambda model: asked.append(model) or stub)
-    logp, old, _, mask, adv = random_batch()
-    owner = torch.nn.Linear(1, 1)
-    out = policy_loss(logp.requires_grad_(), old, adv, mask, model=owner)
-    assert asked == [owner] and len(stub.received) == 1 and stub.received[0] is out.coefficients
-    with torch.no_grad():  # evaluation: no backward follows, nothing is handed over
-        policy_loss(logp, old, adv, mask)
-    stub.enabled = False
-    policy_loss(logp, old, adv, mask)
-    assert len(stub.received) == 1
-
-
-def test_loss_works_without_the_runtime_module(monkeypatch):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "ds_hilore.runtime", None)  # import raises ModuleNotFoundError
-    logp, old, _, mask, adv = random_batch()
-    assert torch.isfinite(policy_loss(logp.requires_grad_(), old, adv, mask).loss)
 
 
 # ---------------------------------------------------------------------------------------------
