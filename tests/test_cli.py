@@ -1,0 +1,154 @@
+"""The ``hilore`` command and the demo (``python -m ds_hilore.demo``) as a smoke check.
+
+The demo test runs the real script in a subprocess (``--quick``: 2 layers, 1 timed step, eager int8 codec) and
+checks the table it prints: every exact method bitwise equal to no checkpointing, the expected
+number of recomputed units per plan, a small non-zero error for int8.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_hilore import HiLoReConfig, cli, demo
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------- units
+def test_units_of_phi3_as_a_console_command():
+    proc = _python("-m", "ds_hilore.cli", "units", "--arch", "phi3")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split(None, 2) for line in proc.stdout.splitlines()
+            if line.startswith("model.layers.")]
+    assert rows == [
+        ["model.layers.0.attn", "attn", "self_attn, input_layernorm, resid_attn_dropout"],
+        ["model.layers.0.mlp", "mlp", "mlp, post_attention_layernorm, resid_mlp_dropout"],
+        ["model.layers.1.attn", "attn", "self_attn, input_layernorm, resid_attn_dropout"],
+        ["model.layers.1.mlp", "mlp", "mlp, post_attention_layernorm, resid_mlp_dropout"],
+    ]
+    assert "Phi3ForCausalLM: 4 recovery units in 2 decoder layers" in proc.stdout
+
+
+def test_units_of_a_local_checkpoint(tmp_path, capsys):
+    cli.tiny_model("gpt_neox").save_pretrained(tmp_path)
+    assert cli.main(["units", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^gpt_neox\.layers\.1\.mlp\s+mlp\s+post_attention_layernorm, "
+                     r"post_mlp_dropout, mlp$", out, re.M), out
+
+
+def test_units_of_a_missing_checkpoint_never_downloads(tmp_path, capsys):
+    assert cli.main(["units", "--model", str(tmp_path / "nothing")]) == cli.EXIT_CONFIG_ERROR
+    assert "no config.json there" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- config
+def _write(tmp_path, ds_config: dict) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds_config))
+    return str(path)
+
+
+def test_config_check_prints_the_resolved_block(tmp_path, capsys):
+    block = {"memory_budget": 1.2, "force_plan": {"*": "R", "model.layers.*.mlp": "L"}}
+    path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2, "hilore": block})
+    assert cli.main(["config", "--check", path]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith('the "hilore" block is valid; resolved (defaults filled in):')
+    resolved = json.loads(out.split("\n", 1)[1])["hilore"]
+    assert resolved == HiLoReConfig(**block).to_dict()
+    assert resolved["low_precision"] == "int8" and resolved["memory_budget"] == 1.2
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"low_precison": "int8"}, ['unknown key "low_precison"', 'Did you mean "low_precision"?']),
+    ({"memory_budget": 0.5}, ["hilore.memory_budget = 0.5 is out of range", ">= 1.0"]),
+    ({"force_plan": "L", "low_precision": "none"}, ['low_precision to "int8" or "fp8_e4m3"']),
+])
+def test_config_check_reports_the_error_and_exits_2(tmp_path, capsys, block, expected):
+    path = _write(tmp_path, {"hilore": block})
+    assert cli.main(["config", "--check", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"error in {path}:")
+    for text in expected:
+        assert text in captured.err
+
+
+def test_config_check_of_a_config_without_the_block(tmp_path, capsys):
+    path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2})
+    assert cli.main(["config", "--check", path]) == 0
+    out = capsys.readouterr().out
+    assert "HiLoRe is off" in out and '"enabled": false' in out
+
+
+def test_every_subcommand_has_help():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) == {"demo", "grpo-demo", "units", "config"}
+    for name, action in sub.choices.items():
+        assert action.description, name
+        assert next(a for a in sub._choices_actions if a.dest == name).help, name
+
+
+# ---------------------------------------------------------------------------------- demo
+_ROW = re.compile(r"^(?P<name>.+?)\s+(?P<t>[\d.]+)\s+(?P<tx>[\d.]+) \| \s*(?P<m>[\d.]+)\s+(?P<mx>[\d.]+) \| "
+                  r"\s*(?P<mix>\S+)\s+(?P<h>[-\d.]+)\s+(?P<l>[-\d.]+)\s+(?P<rc>[-\d]+)\s+(?P<codec>[-\d.]+) \| "
+                  r"\s*(?P<err>\S+)\s+(?P<verdict>.+)$")
+
+
+def test_quick_demo_exits_0_and_prints_every_method():
+    proc = _python("-m", "ds_hilore.demo", "--quick", "--threads", "1")  # steadier when busy
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {m["name"]: m for m in map(_ROW.match, proc.stdout.splitlines()) if m}
+    assert list(rows) == [m.name for m in demo.METHODS]
+    for method in demo.METHODS:
+        row = rows[method.name]
+        if method.exact:
+            assert row["verdict"] == "bitwise" and float(row["err"]) == 0.0, method.name
+        else:
+            assert row["verdict"] == "lossy" and 0.0 < float(row["err"]) < 0.05, method.name
+    units = 2 * demo.PRESETS["quick"].layers
+    assert [rows[n]["rc"] for n in ("HiLoRe all-R", "HiLoRe all-H", "HiLoRe attn-H/mlp-R",
+                                    "HiLoRe all-L (int8)")] == [str(units), "0", str(units // 2), "0"]
+    assert [rows[n]["mix"] for n in ("HiLoRe all-R", "HiLoRe all-H", "HiLoRe attn-H/mlp-R",
+                                     "HiLoRe all-L (int8)")] == [f"{units}R", f"{units}H",
+                                                                 f"{units // 2}H{units // 2}R", f"{units}L"]
+    assert float(rows["HiLoRe all-L (int8)"]["l"]) > 0 and float(rows["HiLoRe all-H"]["l"]) == 0
+    assert rows[demo.BASELINE]["tx"] == "1.00" and rows[demo.BASELINE]["mx"] == "1.00"
+    assert "[6/6] HiLoRe all-L (int8)" in proc.stdout  # progress lines
+
+
+def _result(method, grads, step_s=1.0):
+    return demo.Result(method, [step_s], 100, grads, None)
+
+
+def test_report_fails_when_an_exact_method_is_not_bitwise(capsys):
+    exact = {"w": torch.tensor([1.0, 2.0])}
+    off = {"w": torch.tensor([1.0, 2.0 + 1e-6])}
+    results = [_result(demo.METHODS[0], exact), _result(demo.METHODS[1], exact),
+               _result(demo.METHODS[2], off), _result(demo.METHODS[-1], off)]
+    demo.compare(results)
+    expected = float((off["w"].double() - exact["w"].double()).norm() / math.sqrt(5))
+    assert results[2].grad_error == pytest.approx(expected, rel=1e-12) and expected > 0
+    assert results[1].bitwise and results[1].grad_error == 0.0
+    assert demo.report(results) == 1
+    out = capsys.readouterr().out
+    assert "NOT BITWISE" in out
+    assert "FAILED: exact methods whose gradient differs from no checkpointing: ['HiLoRe all-R']" in out
+    results[2].grads = exact
+    demo.compare(results)
+    assert demo.report(results) == 0  # a lossy method with an error does not fail the demo
