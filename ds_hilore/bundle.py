@@ -163,11 +163,22 @@ class _Slot:
         return t
 
 
+class PackedRows:
+    """Sequences ``start .. stop - 1`` of a storage packed by one codec call (per-token scales
+    keep the rows independent: one call per run of sequences instead of one per sequence)."""
+
+    __slots__ = ("packed", "start", "stop")
+
+    def __init__(self, packed, start: int, stop: int):
+        self.packed, self.start, self.stop = packed, start, stop
+
+
 class Stored:
     """One activation storage kept by a unit: whole, or as per-sequence row blocks.
 
     Whole: the tensors saved by forward are referenced as they are (bitwise exact, no copy).
-    Rows: ``parts[i]`` is a tensor copy (H), a codec ``Packed`` (L) or None (E: a stand-in).
+    Rows: ``parts[i]`` is a tensor copy (H), a ``PackedRows`` shared by a run of sequences (L),
+    or None (E: a stand-in).
     """
 
     __slots__ = ("base", "rows", "block", "group", "parts", "pending", "slots", "buffer", "nbytes",
@@ -212,34 +223,42 @@ class Stored:
         """Move the given sequences to L (pack) or E (drop); frees their bytes at once."""
         if not self.sliceable or (self.parts is None and self.base is None):
             return
-        target = set(rows)
+        target = sorted(set(rows))
         if self.parts is None:  # split: sequences that stay H are copied out, the rest packed
             blocks = self.base.view(self.rows, self.block)  # (B, block)
-            self.parts = [blocks[i].clone() if i not in target else
-                          None if action == "E" else self._pack(blocks[i]) for i in range(self.rows)]
+            parts = [None if i in target else blocks[i].clone() for i in range(self.rows)]
+            if action == "L":
+                for start, stop in _runs(target):
+                    self._pack_run(blocks[start:stop], start, parts)
             for ref in self.slots:
                 slot = ref()
                 if slot is not None:
                     slot.ref = None
             self.slots.clear()
-            self.base = None
+            self.parts, self.base = parts, None
             return
-        for i in sorted(target):
+        for i in target:
             part = self.parts[i]
             if action == "E":
                 self.parts[i] = None
             elif action == "L" and isinstance(part, torch.Tensor):
-                self.parts[i] = self._pack(part)
+                self._pack_run(part.view(1, -1), i, self.parts)
 
-    def _pack(self, row: torch.Tensor):
-        start = time.perf_counter()
-        packed = self.codec.pack(row.view(-1, self.group))  # (tokens, features)
-        self.counters.pack_s += time.perf_counter() - start
-        if packed is None:  # non-finite values: this slice stays exact, never propagated
+    def _pack_run(self, rows: torch.Tensor, start: int, parts: list) -> None:
+        """Pack sequences ``start ..`` (rows: (n, block), contiguous) into ``parts``."""
+        begin = time.perf_counter()
+        packed = self.codec.pack(rows.view(-1, self.group))  # (tokens, features)
+        self.counters.pack_s += time.perf_counter() - begin
+        if packed is not None:
+            run = PackedRows(packed, start, start + rows.shape[0])
+            parts[start:run.stop] = [run] * rows.shape[0]
+            self.counters.rel_errors.append(float(packed.rel_error))
+        elif rows.shape[0] > 1:  # non-finite somewhere: find the sequence, pack the others
+            for k in range(rows.shape[0]):
+                self._pack_run(rows[k:k + 1], start + k, parts)
+        else:  # this sequence stays exact; its non-finite values are never propagated
             self.counters.nonfinite_slices += 1
-            return row.clone() if row._base is not None else row
-        self.counters.rel_errors.append(float(packed.rel_error))
-        return packed
+            parts[start] = rows[0].clone()
 
     def view(self, spec) -> torch.Tensor:
         if self.parts is None:
@@ -248,13 +267,14 @@ class Stored:
             start = time.perf_counter()
             buffer = torch.empty(self.rows * self.block, dtype=self.dtype, device=self.device)
             blocks = buffer.view(self.rows, self.block)  # (B, block)
+            for run in {id(p): p for p in self.parts if isinstance(p, PackedRows)}.values():
+                # each run decoded once, straight into place
+                self.codec.unpack(run.packed, out=blocks[run.start:run.stop].view(-1, self.group))
             for i, part in enumerate(self.parts):
                 if part is None:
                     blocks[i].fill_(_stand_in_value(self.dtype))
                 elif isinstance(part, torch.Tensor):
                     blocks[i].copy_(part)
-                else:
-                    blocks[i].copy_(self.codec.unpack(part).view(-1))
             self.buffer = buffer
             self.counters.unpack_s += time.perf_counter() - start
         return self.buffer.as_strided(*spec)
@@ -267,9 +287,24 @@ class Stored:
         for p in self.parts:
             if isinstance(p, torch.Tensor):
                 out["H"] += p.untyped_storage().nbytes()
-            elif p is not None:
-                out["L"] += p.nbytes
+        out["L"] = sum(run.packed.nbytes for run in {id(p): p for p in self.parts
+                                                      if isinstance(p, PackedRows)}.values())
         return out
+
+
+def _runs(indices: list[int]):
+    """Sorted indices as (start, stop) runs of consecutive values."""
+    start = prev = None
+    for i in indices:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            yield start, prev + 1
+            start = prev = i
+    if start is not None:
+        yield start, prev + 1
 
 
 def row_block(t: torch.Tensor, rows: int) -> int | None:

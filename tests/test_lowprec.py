@@ -129,3 +129,17 @@ def test_non_finite_slice_stays_exact_and_corrupts_nothing_else():
     assert torch.isfinite(back[[0, 2]]).all()
     assert ((back[[0, 2]] - x[[0, 2]]).norm() / x[[0, 2]].norm()) < 0.01
     assert max(counters.rel_errors) < 0.01
+
+
+def test_runs_pack_once_and_elided_rows_inside_a_run_get_stand_ins():
+    codec = get_codec("int8", "eager")
+    counters = Counters()
+    x = torch.randn(4, 8, 32)  # (B, T, H)
+    stored = Stored(x, rows=4, block=8 * 32, group=32, codec=codec, packable=True, counters=counters)
+    stored.set_rows([0, 1, 2, 3], "L")
+    assert len(counters.rel_errors) == 1  # one codec call for the whole run
+    stored.set_rows([0, 2], "E")
+    assert stored.row_states() == ["E", "L", "E", "L"]
+    back = stored.view((x.size(), x.stride(), x.storage_offset()))
+    assert torch.equal(back[[0, 2]], torch.ones(2, 8, 32))
+    assert ((back[[1, 3]] - x[[1, 3]]).norm() / x[[1, 3]].norm()) < 0.01
