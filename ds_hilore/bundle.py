@@ -32,6 +32,7 @@ within the unit, checked against the forward's shapes and dtypes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from typing import Any, Callable
@@ -237,12 +238,30 @@ class Stored:
             self.slots.clear()
             self.parts, self.base = parts, None
             return
-        for i in target:
-            part = self.parts[i]
-            if action == "E":
+        if action == "E":
+            runs = {id(p): p for i in target if isinstance(p := self.parts[i], PackedRows)}
+            for i in target:
                 self.parts[i] = None
-            elif action == "L" and isinstance(part, torch.Tensor):
-                self._pack_run(part.view(1, -1), i, self.parts)
+            for run in runs.values():  # re-cut the runs so the elided rows' bytes are freed
+                keep = [i for i in range(run.start, run.stop) if self.parts[i] is run]
+                for start, stop in _runs(keep):
+                    self.parts[start:stop] = [self._sub_run(run, start, stop)] * (stop - start)
+            return
+        for i in target:
+            if action == "L" and isinstance(self.parts[i], torch.Tensor):
+                self._pack_run(self.parts[i].view(1, -1), i, self.parts)
+
+    def _sub_run(self, run: PackedRows, start: int, stop: int) -> PackedRows:
+        """Sequences start .. stop - 1 of ``run`` as a run of their own (rows copied, not re-coded:
+        per-token and per-block scales keep every row independent)."""
+        per_seq = run.packed.shape[0] // (run.stop - run.start)  # packed rows per sequence
+        lo, hi = (start - run.start) * per_seq, (stop - run.start) * per_seq
+        payload, scales = run.packed.payload[lo:hi].clone(), run.packed.scales[lo:hi].clone()
+        packed = dataclasses.replace(run.packed, payload=payload, scales=scales,
+                                     shape=(hi - lo, run.packed.shape[1]),
+                                     nbytes=payload.untyped_storage().nbytes()
+                                     + scales.untyped_storage().nbytes())
+        return PackedRows(packed, start, stop)
 
     def _pack_run(self, rows: torch.Tensor, start: int, parts: list) -> None:
         """Pack sequences ``start ..`` (rows: (n, block), contiguous) into ``parts``."""

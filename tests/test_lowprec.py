@@ -143,3 +143,18 @@ def test_runs_pack_once_and_elided_rows_inside_a_run_get_stand_ins():
     back = stored.view((x.size(), x.stride(), x.storage_offset()))
     assert torch.equal(back[[0, 2]], torch.ones(2, 8, 32))
     assert ((back[[1, 3]] - x[[1, 3]]).norm() / x[[1, 3]].norm()) < 0.01
+
+
+def test_eliding_rows_of_a_packed_run_frees_their_bytes():
+    codec = get_codec("int8", "eager")
+    x = torch.randn(4, 8, 64)  # (B, T, H)
+    stored = Stored(x, rows=4, block=8 * 64, group=64, codec=codec, packable=True, counters=Counters())
+    stored.set_rows([0, 1, 2, 3], "L")
+    whole = stored.bytes_by_action()["L"]
+    before = stored.view((x.size(), x.stride(), x.storage_offset())).clone()
+    stored.buffer = None
+    stored.set_rows([1], "E")
+    assert stored.bytes_by_action()["L"] == whole * 3 // 4
+    after = stored.view((x.size(), x.stride(), x.storage_offset()))
+    assert torch.equal(after[[0, 2, 3]], before[[0, 2, 3]])  # rows copied, not re-coded
+    assert torch.equal(after[1], torch.ones(8, 64))
