@@ -15,6 +15,7 @@ wrapped (``_Toggle``) so that "on" means HiLoRe and "off" means plain autograd. 
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import logging
@@ -201,9 +202,24 @@ class HiLoReRuntime:
             plan: ``"H"``, ``"L"``, ``"R"`` for every unit, or unit name (globs allowed) -> action.
             rows: optional per-sequence actions (``"H"``/``"L"``/``"E"``) for H/L units.
         """
+        if not isinstance(plan, str):
+            names = [u.name for u in self._units]
+            unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+            if unmatched:
+                raise HiLoReError(f"set_plan: patterns {unmatched} match no recovery unit; unit "
+                                  f"names look like {names[0]!r}.")
         self._plan = {u.name: self._check_action(_lookup(plan, u.name, self._plan[u.name]), "set_plan")
                       for u in self._units}
-        self._rows = dict(rows or {})
+        rows = dict(rows or {})
+        for name, actions in rows.items():
+            self._unit(name)
+            for action in actions:
+                if action not in ("H", "L", "E"):
+                    raise HiLoReError(f"set_plan rows[{name!r}]: unknown action {action!r}; "
+                                      "per-sequence actions are 'H', 'L' or 'E'.")
+                if action == "L":
+                    self._check_action(action, f"set_plan rows[{name!r}]")
+        self._rows = rows
 
     def plan_actions(self) -> list[str]:
         """The capture action of every unit, in unit order, after ``force_plan``."""
@@ -523,7 +539,6 @@ def _is_gc_layer(module: nn.Module) -> bool:
 def _lookup(plan: Mapping[str, str] | str, name: str, default: str) -> str:
     if isinstance(plan, str):
         return plan
-    import fnmatch
     found = default
     for pattern, action in plan.items():
         if fnmatch.fnmatchcase(name, pattern):

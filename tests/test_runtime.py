@@ -345,5 +345,11 @@ def test_force_plan_glob_overrides_set_plan():
     runtime.set_plan("R")
     assert runtime.plan_actions() == ["R", "R", "H", "H", "R", "R"]
     with pytest.raises(HiLoReError, match="match no recovery unit"):
+        runtime.set_plan({"*.attention": "H"})
+    with pytest.raises(HiLoReError, match="per-sequence actions are 'H', 'L' or 'E'"):
+        runtime.set_plan("H", rows={"model.layers.0.mlp": ("H", "R")})
+    with pytest.raises(HiLoReError, match="needs low_precision"):
+        runtime.set_plan("H", rows={"model.layers.0.mlp": ("H", "L")})
+    with pytest.raises(HiLoReError, match="match no recovery unit"):
         ds_hilore.attach(_build("llama", lora=False),
                          dict(EXACT_CONFIG, force_plan={"layers.*.attention": "H"}))
