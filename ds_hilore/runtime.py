@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from . import exposure
 from ._errors import HiLoReError
+from .codecs import codec_from_config
 from .bundle import CapturePlan, Counters, LayerFrame, WeightRef
 from .config import HiLoReConfig
 from .units import LayerUnits, Unit, find_units
@@ -156,10 +157,7 @@ class HiLoReRuntime:
         self._layers = find_units(model, config)
         self._units = tuple(u for layer in self._layers for u in layer.units)
         self._layer_params = {id(l.module): list(l.module.parameters()) for l in self._layers}
-        if config.low_precision != "none":
-            from .codecs import get_codec
-            self._codec = get_codec(config.low_precision, config.codec_backend,
-                                    **self._codec_options())
+        self._codec = codec_from_config(config)  # None for low_precision "none"
         unmatched = config.unmatched_force_plan_patterns([u.name for u in self._units])
         if unmatched:
             raise HiLoReError(f"force_plan patterns {unmatched} match no recovery unit; unit names "
@@ -399,11 +397,6 @@ class HiLoReRuntime:
             if _is_gc_layer(layer.module):
                 layer.module.gradient_checkpointing = enable
                 layer.module._gradient_checkpointing_func = _LayerCall(self, layer)
-
-    def _codec_options(self) -> dict[str, Any]:
-        if self.config.low_precision == "fp8_e4m3":
-            return {"scaling": self.config.fp8_scaling, "block_size": self.config.fp8_block_size}
-        return {}
 
     # ------------------------------------------------------------------ per layer call
     def _run_layer(self, layer: LayerUnits, function, args: tuple):

@@ -1,0 +1,476 @@
+"""Low-precision packing of saved activations: the "L" action of HiLoRe (DESIGN.md §1, §6).
+
+A codec turns a 2-D (N, G) float tensor (N tokens, G features) into a low-precision payload of
+the same shape plus fp32 scales, and back. Every codec is one entry of ``CODECS``; adding one is
+one entry plus one test (STYLE rule 2).
+
+Example::
+
+    codec = get_codec("int8", backend="compile")
+    packed = codec.pack(x)             # None if x holds NaN/inf: keep x in H
+    y = codec.unpack(packed)           # same shape and dtype as x
+    packed.rel_error, packed.nbytes    # ||x - y|| / ||x||, payload + scale bytes
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.decorators import mark_unbacked
+from torch.fx.experimental import _config as fx_config
+
+from ._errors import HiLoReConfigError, bug
+from .memory import live_storage_bytes
+
+__all__ = ["CODECS", "CODEC_BACKENDS", "Codec", "CodecSpec", "Packed", "codec_from_config",
+           "compiled_graph_counts", "get_codec"]
+
+logger = logging.getLogger(__name__)
+
+CODEC_BACKENDS = ("eager", "compile")
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+INT8_MAX = 127.0  # symmetric grid [-127, 127]: -128 is never produced
+FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32
+_EAGER_CHUNK_NUMEL = 1 << 18  # elements per eager chunk: each fp32 temporary stays <= 1 MiB
+
+
+# NOTE [ Codec kernels ]
+# Every format is written once, as a per-row kernel on a (R, B) tensor: amax over the row,
+# scale = amax / qmax (1 for an all-zero row, so nothing divides by zero), quantise, and, in
+# the same pass, the reconstruction error that Packed.rel_error reports. The same Python
+# function is the eager backend and, under torch.compile, the compiled one (inductor fuses
+# it into one C++ loop nest on CPU, Triton on GPU). Eager and compiled run the same IEEE ops
+# (amax, one true division, round-half-even, casts), so their payloads and scales agree
+# bitwise; only the error sums differ in the last bits (summation order).
+#
+# Scaling granularity is a reshape, not another kernel: per-token scaling runs the row
+# kernel on (N, G); per-block scaling runs it on the (N * G/b, b) view, so a contiguous
+# block of b elements is one row. Only when b does not divide G does a second, "ragged"
+# kernel gather each element's block scale (slower: inductor cannot vectorise the gather).
+#
+# Compiled once per input dtype, never per shape: torch.compile(dynamic=True) makes sizes
+# symbolic from the first call, but dynamo and inductor still add shape guards that
+# mark_dynamic does not remove: sizes 0 and 1 are specialised, a first call with N == G ties
+# N to G (duck sizing), and an fp32 row sum longer than 4096 elements gets a guard (inductor's
+# chunked-accumulation helper), which would split graphs by row length. So the encoders take
+# their input with every size > 1 marked *unbacked* (no guards at all; the row sums are fp32
+# in units of the row's scale, |terms| <= qmax^2, so they cannot overflow, and rows combine
+# in fp64). The decoders keep backed sizes (with unbacked ones inductor cannot prove that
+# `out` has the result's shape and writes through a temporary) and trace their first call
+# per dtype without duck sizing. Autocast is switched off around compiled calls (its state
+# is a guard). Sizes of exactly 1 would still be specialised (a graph of their own), so
+# such inputs (one row, or one feature per row) run the eager kernel; so do inference-mode
+# tensors (dynamo guards on their dispatch keys; HiLoRe itself never packs one).
+# The encoders return amax, not the scale: storing the scale inside the kernel makes
+# inductor split its single loop over rows (amax, then quantise + measure, a row staying
+# in cache) into separate passes over x.
+#
+# Eager runs in row chunks of <= _EAGER_CHUNK_NUMEL elements, so its temporaries stay small.
+# It is used for backend="eager", when compilation failed (logged once, never fatal), and
+# whenever a TorchDispatchMode is active (e.g. memory.PeakMeter): dynamo then runs compiled
+# functions eagerly anyway, and unchunked eager would allocate several full-size fp32
+# temporaries that the compiled kernel never has, inflating the measured peak.
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A tensor stored in low precision. Immutable; ``Codec.unpack`` restores it."""
+
+    codec: str  # name in CODECS
+    shape: tuple[int, int]  # (N, G) of the original tensor
+    dtype: torch.dtype  # of the original tensor
+    block_size: int  # elements per scale along a row (G for per-token scaling)
+    payload: torch.Tensor  # (N, G) int8 | float8_e4m3fn
+    scales: torch.Tensor  # (N, ceil(G / block_size)) fp32
+    nbytes: int  # bytes of payload + scales storages
+    rel_error: float  # ||x - unpack(pack(x))||_2 / ||x||_2, measured at pack; 0 for x == 0
+
+
+_FAILED = object()  # what _Kernel.compiled returns when compilation failed
+
+
+class _Kernel:
+    """One codec kernel: the plain function (eager) and its lazily compiled twin.
+
+    ``unbacked``: compile with every size > 1 of the tensor arguments marked unbacked (the
+    encoders: see the NOTE). Otherwise sizes are ordinary dynamic sizes, traced once per
+    dtype without duck sizing (the decoders: unbacked sizes would make inductor write the
+    result to a temporary and copy it into ``out``).
+    """
+
+    def __init__(self, fn: Callable, *, unbacked: bool):
+        self.fn = fn
+        self.unbacked = unbacked
+        self.graphs = 0  # graphs compiled so far (expected: one per input dtype)
+        self.failure: str | None = None  # why compilation failed; eager from then on
+        self._compiled: Callable | None = None
+        self._traced: set[tuple[torch.dtype, ...]] = set()  # argument dtypes traced so far
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    def _inductor(self, gm, example_inputs):
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        # Keep the bf16/fp16 rounding of x_hat: rel_error must measure what unpack returns.
+        with inductor_config.patch(emulate_precision_casts=True):
+            compiled = compile_fx(gm, example_inputs)
+        self.graphs += 1  # counted on success: dynamo may abort a first attempt and restart
+        return compiled
+
+    def compiled(self, *args):
+        """Run the compiled kernel; _FAILED if it cannot be compiled (then use ``fn``)."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
+                                           backend=self._inductor)
+        try:
+            if torch.is_autocast_enabled(args[0].device.type):  # a guard: one graph per dtype
+                with torch.autocast(args[0].device.type, enabled=False):
+                    return self._call(args)
+            return self._call(args)
+        except Exception as exc:  # noqa: BLE001 -- any compiler failure: fall back, never crash
+            root = exc  # dynamo wraps the compiler's own error: report that one
+            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+                root = inner
+            self.failure = (f"{type(root).__name__}: {root}".splitlines() or ["?"])[0]
+            logger.warning("ds_hilore: torch.compile of codec kernel %s failed (%s); using its "
+                           "eager version from now on (same results, slower). Set "
+                           "codec_backend to 'eager' to skip the attempt.", self.name, self.failure)
+            return _FAILED
+
+    def _call(self, args: tuple):
+        args = _aliases(args, self.unbacked)
+        if self.unbacked:
+            return self._compiled(*args)
+        dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        if dtypes in self._traced:
+            return self._compiled(*args)
+        with fx_config.patch(use_duck_shape=False):  # a first N == G must not tie N to G
+            result = self._compiled(*args)
+        self._traced.add(dtypes)
+        return result
+
+
+def _aliases(args: tuple, unbacked: bool) -> list:
+    """Tensor arguments as fresh detached aliases (same storage), sizes marked if ``unbacked``.
+
+    Fresh: a view would make dynamo guard on its base (and recompile when the base changes),
+    and marks set on the alias never leak to the caller's tensor.
+    """
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = a.detach()
+            if unbacked:
+                mark_unbacked(a, list(range(a.dim())))
+        out.append(a)
+    return out
+
+
+# ---- kernels (see NOTE [ Codec kernels ]) -----------------------------------------------
+
+def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    scale = amax / qmax  # fp32
+    return torch.where(scale > 0, scale, 1.0)  # all-zero (or all-subnormal) rows: scale 1
+
+
+def _quantise_and_measure(x, xf, scale, unit, to_grid):
+    """Payload, plus stats = (||x - x_hat||^2, ||x||^2) as fp64 (2,).
+
+    ``unit`` (R, 1) is a per-row length in which errors are summed: with unit >= the row's
+    scale, every term is <= qmax^2, so fp32 row sums cannot overflow; the fp64 total then
+    cannot either. ||x||^2 is NaN or inf exactly when x holds NaN or inf.
+    """
+    q = to_grid(xf / scale)  # (R, B) payload dtype
+    x_hat = (q.float() * scale).to(x.dtype).float()  # (R, B) exactly what unpack returns
+    inv = 1.0 / unit  # (R, 1)
+    err = ((xf - x_hat) * inv).square().sum(dim=1, keepdim=True)  # (R, 1) in unit^2
+    norm = (xf * inv).square().sum(dim=1, keepdim=True)  # (R, 1) in unit^2
+    unit2 = unit.double().square()  # (R, 1)
+    return q, torch.stack([(err.double() * unit2).sum(), (norm.double() * unit2).sum()])
+
+
+def _int8_grid(y: torch.Tensor) -> torch.Tensor:
+    return torch.round(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # round half to even
+
+
+def _fp8_grid(y: torch.Tensor) -> torch.Tensor:
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # cast rounds RNE
+
+
+def _encode_rows(x: torch.Tensor, qmax: float, to_grid) -> tuple:
+    xf = x.float()  # (R, B) fp32
+    amax = xf.abs().amax(dim=1, keepdim=True)  # (R, 1)
+    scale = _safe_scale(amax, qmax)  # (R, 1) fp32
+    unit = scale.clamp(min=FP32_TINY)  # (R, 1): 1 / unit stays finite
+    q, stats = _quantise_and_measure(x, xf, scale, unit, to_grid)
+    # amax, not scale: storing scale here would split inductor's single loop over rows
+    return q, amax, stats
+
+
+def _int8_encode(x):
+    return _encode_rows(x, INT8_MAX, _int8_grid)
+
+
+def _fp8_encode(x):
+    return _encode_rows(x, FP8_E4M3_MAX, _fp8_grid)
+
+
+def _fp8_encode_ragged(x, block_size: int):
+    n, g = x.shape
+    n_blocks = (g + block_size - 1) // block_size
+    xf = x.float()  # (N, G) fp32
+    padded = F.pad(xf.abs(), (0, n_blocks * block_size - g))  # (N, nb * b)
+    amax = padded.view(n, n_blocks, block_size).amax(dim=2)  # (N, nb)
+    scale = _safe_scale(amax, FP8_E4M3_MAX)  # (N, nb)
+    per_element = scale[:, torch.arange(g, device=x.device) // block_size]  # (N, G)
+    unit = scale.amax(dim=1, keepdim=True).clamp(min=FP32_TINY)  # (N, 1)
+    q, stats = _quantise_and_measure(x, xf, per_element, unit, _fp8_grid)
+    return q, amax, stats
+
+
+def _int8_decode_into(q, scale, out):
+    out.copy_(q.float() * scale)  # (R, B) * (R, 1), cast to out.dtype
+
+
+# Same body as _int8_decode_into, but its own code object: dynamo caches graphs per code
+# object, at most 8 (recompile_limit); one shared decoder would hold 2 payloads x 3 dtypes.
+def _fp8_decode_into(q, scale, out):
+    out.copy_(q.float() * scale)  # (R, B) * (R, 1), cast to out.dtype
+
+
+def _fp8_decode_ragged_into(q, scale, out, block_size: int):
+    per_element = scale[:, torch.arange(q.shape[1], device=q.device) // block_size]  # (N, G)
+    out.copy_(q.float() * per_element)
+
+
+# ---- the registry ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """One low-precision format: payload type, kernels and the options it accepts."""
+
+    payload_dtype: torch.dtype
+    qmax: float  # largest payload magnitude: scale = amax / qmax
+    encode: _Kernel  # (R, B) rows -> (payload (R, B), amax (R, 1), (err^2, norm^2) fp64)
+    decode: _Kernel  # (payload, scales, out) -> None, writes out
+    summary: str
+    options: Mapping[str, Any] = field(default_factory=dict)  # keyword -> default
+    encode_ragged: _Kernel | None = None  # per-block amax (N, nb) when block_size does not divide G
+    decode_ragged: _Kernel | None = None
+
+
+CODECS: Mapping[str, CodecSpec] = MappingProxyType({
+    "int8": CodecSpec(
+        payload_dtype=torch.int8, qmax=INT8_MAX,
+        encode=_Kernel(_int8_encode, unbacked=True),
+        decode=_Kernel(_int8_decode_into, unbacked=False),
+        summary="symmetric int8, one absmax scale per token (row), round to nearest"),
+    "fp8_e4m3": CodecSpec(
+        payload_dtype=torch.float8_e4m3fn, qmax=FP8_E4M3_MAX,
+        encode=_Kernel(_fp8_encode, unbacked=True),
+        decode=_Kernel(_fp8_decode_into, unbacked=False),
+        encode_ragged=_Kernel(_fp8_encode_ragged, unbacked=True),
+        decode_ragged=_Kernel(_fp8_decode_ragged_into, unbacked=False),
+        options={"fp8_scaling": "token", "fp8_block_size": 128},
+        summary="float8 e4m3fn, absmax scale mapped to 448 per token or per block of a row"),
+})
+
+# option (named as its config key) -> (config key, check, what is allowed)
+_OPTION_RULES: Mapping[str, tuple[str, Callable[[Any], bool], str]] = MappingProxyType({
+    "fp8_scaling": ("fp8_scaling", lambda v: v in ("token", "block"), "'token' or 'block'"),
+    "fp8_block_size": ("fp8_block_size", lambda v: isinstance(v, int) and not isinstance(v, bool)
+                       and v > 0, "a positive integer"),
+})
+
+
+def compiled_graph_counts() -> dict[str, int]:
+    """Graphs compiled so far per kernel (one per input dtype is the expected steady state)."""
+    return {k.name: k.graphs for spec in CODECS.values()
+            for k in (spec.encode, spec.decode, spec.encode_ragged, spec.decode_ragged) if k}
+
+
+def get_codec(name: str, backend: str = "eager", **options) -> "Codec":
+    """The codec ``name`` of ``CODECS`` running on ``backend``.
+
+    Args:
+        name: ``"int8"`` or ``"fp8_e4m3"`` (config key ``low_precision``).
+        backend: ``"eager"`` or ``"compile"`` (config key ``codec_backend``).
+        options: the codec's options, named as their config keys, e.g.
+            ``fp8_scaling="block", fp8_block_size=128`` for fp8_e4m3.
+
+    Raises:
+        HiLoReConfigError: unknown name, backend or option, or an invalid option value.
+    """
+    if name not in CODECS:
+        known = ", ".join(repr(k) for k in CODECS)
+        raise HiLoReConfigError(
+            f"hilore.low_precision = {name!r} is not a known codec; known codecs: {known} "
+            "(or 'none' to disable the L action). Fix: set \"low_precision\" in the \"hilore\" "
+            "block to one of them.")
+    if backend not in CODEC_BACKENDS:
+        raise HiLoReConfigError(
+            f"hilore.codec_backend = {backend!r} is not a known codec backend; known backends: "
+            f"{', '.join(repr(b) for b in CODEC_BACKENDS)}. Fix: set \"codec_backend\" to one.")
+    spec = CODECS[name]
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        accepted = ", ".join(spec.options) or "none"
+        raise HiLoReConfigError(f"codec {name!r} takes no option(s) {unknown}; it accepts: "
+                                f"{accepted}.")
+    chosen = {**spec.options, **options}
+    for key, value in chosen.items():
+        config_key, ok, allowed = _OPTION_RULES[key]
+        if not ok(value):
+            raise HiLoReConfigError(f"hilore.{config_key} = {value!r} is invalid for codec "
+                                    f"{name!r}; allowed: {allowed}.")
+    return Codec(name, spec, backend, chosen)
+
+
+def codec_from_config(config) -> "Codec | None":
+    """The codec a ``HiLoReConfig`` asks for, or None when ``low_precision`` is ``"none"``."""
+    if config.low_precision == "none":
+        return None
+    spec = CODECS.get(config.low_precision)
+    options = {} if spec is None else {k: getattr(config, _OPTION_RULES[k][0])
+                                       for k in spec.options}
+    return get_codec(config.low_precision, config.codec_backend, **options)
+
+
+# ---- the codec -------------------------------------------------------------------------------
+
+class Codec:
+    """Packs 2-D float tensors into ``Packed`` and back. Build with ``get_codec``."""
+
+    def __init__(self, name: str, spec: CodecSpec, backend: str, options: Mapping[str, Any]):
+        self.name = name
+        self.spec = spec
+        self.backend = backend
+        self.options = MappingProxyType(dict(options))
+
+    def __repr__(self) -> str:
+        opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"Codec({self.name!r}, backend={self.backend!r}{opts})"
+
+    def block_size(self, g: int) -> int:
+        """Elements per scale along a row of G features."""
+        if self.options.get("fp8_scaling") == "block":
+            return max(1, min(self.options["fp8_block_size"], g))
+        return max(1, g)
+
+    def pack(self, x: torch.Tensor) -> Packed | None:
+        """Pack ``x`` (N, G), contiguous float32/bfloat16/float16; None if x is not all finite."""
+        _check_input(x)
+        n, g = x.shape
+        b = self.block_size(g)
+        if x.numel() == 0:
+            return self._packed(x, b, x.new_empty(x.shape, dtype=self.spec.payload_dtype),
+                                x.new_empty((n, -(-g // b)), dtype=torch.float32), 0.0)
+        with torch.no_grad():
+            if g % b == 0:  # one scale per row of the (N * nb, b) view
+                q, amax, stats = self._run_encode(self.spec.encode, x.view(n * (g // b), b))
+            else:
+                q, amax, stats = self._run_encode(self.spec.encode_ragged, x, b)
+            err2, norm2 = stats.tolist()
+            if not math.isfinite(norm2):  # x holds NaN or inf
+                return None
+            scales = _safe_scale(amax.view(n, -1), self.spec.qmax)  # (N, nb) as in the kernel
+        rel_error = math.sqrt(err2 / norm2) if norm2 > 0 else 0.0
+        return self._packed(x, b, q.view(n, g), scales, rel_error)
+
+    def unpack(self, p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The (N, G) tensor ``p`` stands for, in ``p.dtype``; written into ``out`` if given."""
+        if p.codec != self.name:
+            raise bug(f"{self!r} asked to unpack a {p.codec!r} payload")
+        if out is None:
+            out = torch.empty(p.shape, dtype=p.dtype, device=p.payload.device)
+        elif tuple(out.shape) != p.shape or out.dtype != p.dtype or not out.is_contiguous():
+            raise bug(f"unpack out= must be contiguous {p.shape} {p.dtype}, got "
+                      f"{tuple(out.shape)} {out.dtype}")
+        if out.numel() == 0:
+            return out
+        n, g = p.shape
+        b = p.block_size
+        with torch.no_grad():
+            if g % b == 0:
+                self._run_decode(self.spec.decode, p.payload.view(-1, b), p.scales.view(-1, 1),
+                                 out.view(-1, b))
+            else:
+                self._run_decode(self.spec.decode_ragged, p.payload, p.scales, out, b)
+        return out
+
+    def warmup(self, dtypes=(torch.float32,), device="cpu") -> None:
+        """Compile (or load from inductor's cache) the kernels for ``dtypes`` now, not mid-step."""
+        for dtype in dtypes:
+            for g in (256, 200):  # divisible by the fp8 block size, and not (ragged kernels)
+                x = torch.randn(4, g, device=device).to(dtype)
+                p = self.pack(x)
+                self.unpack(p)
+
+    # -- internals
+    def _packed(self, x, block_size, payload, scales, rel_error) -> Packed:
+        return Packed(codec=self.name, shape=tuple(x.shape), dtype=x.dtype, block_size=block_size,
+                      payload=payload, scales=scales,
+                      nbytes=live_storage_bytes([payload, scales]), rel_error=rel_error)
+
+    def _use_compiled(self, kernel: _Kernel, rows: torch.Tensor) -> bool:
+        return (self.backend == "compile" and kernel.failure is None
+                and 1 not in rows.shape  # a size of 1 would get a graph of its own
+                and not rows.is_inference()  # so would an inference-mode tensor
+                and not _dispatch_mode_active())
+
+    def _run_encode(self, kernel: _Kernel, x: torch.Tensor, *static):
+        if self._use_compiled(kernel, x):
+            result = kernel.compiled(x, *static)
+            if result is not _FAILED:
+                return result
+        return _encode_in_chunks(kernel.fn, x, static)
+
+    def _run_decode(self, kernel: _Kernel, q, scales, out, *static) -> None:
+        if (self._use_compiled(kernel, q)
+                and kernel.compiled(q, scales, out, *static) is not _FAILED):
+            return
+        rows = max(1, _EAGER_CHUNK_NUMEL // q.shape[1])
+        for start in range(0, q.shape[0], rows):
+            stop = start + rows
+            kernel.fn(q[start:stop], scales[start:stop], out[start:stop], *static)
+
+
+def _encode_in_chunks(fn, x: torch.Tensor, static: tuple):
+    """Eager encode over row chunks; stops at the first chunk with a non-finite value."""
+    rows = max(1, _EAGER_CHUNK_NUMEL // x.shape[1])
+    if x.shape[0] <= rows:
+        return fn(x, *static)
+    q = amax = stats = None
+    for start in range(0, x.shape[0], rows):
+        stop = start + rows
+        q_c, amax_c, stats_c = fn(x[start:stop], *static)
+        if q is None:
+            q = q_c.new_empty((x.shape[0], *q_c.shape[1:]))  # (R, B) payload dtype
+            amax = amax_c.new_empty((x.shape[0], *amax_c.shape[1:]))  # (R, S) fp32
+            stats = torch.zeros_like(stats_c)
+        q[start:stop].copy_(q_c)
+        amax[start:stop].copy_(amax_c)
+        stats += stats_c
+        if not torch.isfinite(stats_c[1]):
+            break  # x holds NaN or inf: the caller drops the result
+    return q, amax, stats
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in INPUT_DTYPES or not x.is_contiguous():
+        raise bug(f"codecs pack contiguous 2-D float32/bfloat16/float16 tensors, got shape "
+                  f"{tuple(x.shape)}, dtype {x.dtype}, contiguous={x.is_contiguous()}")
+
+
+def _dispatch_mode_active() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0

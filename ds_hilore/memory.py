@@ -1,0 +1,186 @@
+"""Peak-memory meters: the one way ds_hilore measures memory (DESIGN.md §8).
+
+* ``in_use_bytes(device)`` -- bytes allocated now. CUDA: ``torch.cuda.memory_allocated``.
+  CPU: glibc's ``mallinfo2()``, in-use = ``uordblks + hblkhd`` (heap chunks in use plus
+  mmapped chunks), which is where torch's CPU allocator gets its memory.
+* ``PeakMeter`` -- the peak of ``in_use_bytes`` over a ``with`` block, forward and backward.
+* ``live_storage_bytes(tensors)`` -- exact bytes held by a set of tensors (shared storage once).
+
+Example::
+
+    with PeakMeter() as meter:
+        model(x).sum().backward()
+    print(meter.peak_delta)  # bytes above what was in use at the start
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from typing import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._errors import HiLoReError
+
+__all__ = ["PeakMeter", "in_use_bytes", "live_storage_bytes"]
+
+
+class _MallInfo2(ctypes.Structure):
+    # struct mallinfo2 of glibc >= 2.33 (malloc.h); every field is a size_t.
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@functools.cache
+def _mallinfo2():
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    try:
+        fn = libc.mallinfo2
+    except AttributeError:
+        raise HiLoReError(
+            "measuring CPU memory needs glibc >= 2.33 (its mallinfo2() counts the bytes torch's "
+            "CPU allocator holds); this C library has none. Measure on a CUDA device, or run on "
+            "a glibc-based Linux.") from None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise HiLoReError(f"memory can be measured on 'cpu' and 'cuda' devices, not {device}.")
+    return device
+
+
+def in_use_bytes(device=None) -> int:
+    """Bytes allocated now on ``device`` (None: the current CUDA device if any, else CPU).
+
+    On CPU this counts every malloc of the process (torch and anything else), not only tensors.
+    """
+    device = _device(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    info = _mallinfo2()()
+    return info.uordblks + info.hblkhd  # bytes in heap chunks in use + in mmapped chunks
+
+
+def live_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once).
+
+    Counts whole storages: a small view of a big tensor keeps (and counts) all of it.
+    """
+    seen: set[tuple[torch.device, int]] = set()
+    total = 0  # bytes
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+class _SampleAfterEachOp(TorchDispatchMode):
+    """Samples the meter after every aten op run on this thread (backward included)."""
+
+    def __init__(self, meter: PeakMeter | None):
+        super().__init__()
+        self._meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._meter is not None:
+            self._meter.sample()
+        return out
+
+
+@functools.cache
+def _warm_up_dispatch_modes() -> None:
+    # The first op ever run under a python dispatch mode imports ~800 modules (~25 MB of
+    # malloc'ed Python objects); do it once outside any measurement.
+    with _SampleAfterEachOp(None):
+        torch.zeros(1)
+
+
+# CUDA meters active now, outermost first: an inner meter resets the device's peak counter,
+# so it first hands the peak reached so far to the meters around it.
+_ACTIVE_CUDA_METERS: list[PeakMeter] = []
+
+
+class PeakMeter:
+    """The peak of ``in_use_bytes(device)`` while the ``with`` block runs.
+
+    CPU: a ``TorchDispatchMode`` reads ``mallinfo2()`` after every aten op on this thread,
+    forward and backward (the autograd engine runs CPU backward on the calling thread); the
+    peak reached inside a single op (its private temporaries) is not seen. Nothing hooks
+    modules or parameters, so frozen parameters (LoRA) are fine. torch.compile'd functions
+    run eagerly while a dispatch mode is active, so compiled regions are measured as eager.
+    CUDA: ``torch.cuda.max_memory_allocated`` (the meter resets the device's peak counter).
+
+    Attributes (bytes): ``start_bytes`` in use on entry, ``peak_bytes`` the highest sample,
+    ``end_bytes`` in use on exit, ``peak_delta`` = peak_bytes - start_bytes; ``samples`` the
+    number of readings taken.
+    """
+
+    def __init__(self, device=None):
+        self.device = _device(device)
+        self.start_bytes = 0
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self.samples = 0
+        self._mode: _SampleAfterEachOp | None = None
+
+    @property
+    def peak_delta(self) -> int:
+        """Peak bytes above what was in use on entry."""
+        return self.peak_bytes - self.start_bytes
+
+    def sample(self) -> int:
+        """Read memory now, fold it into the peak, and return the bytes in use."""
+        now = in_use_bytes(self.device)
+        peak = now
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        self.peak_bytes = max(self.peak_bytes, peak)
+        self.samples += 1
+        return now
+
+    def __enter__(self) -> PeakMeter:
+        if self.device.type == "cuda":
+            for outer in _ACTIVE_CUDA_METERS:
+                if outer.device == self.device:
+                    outer.sample()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            _ACTIVE_CUDA_METERS.append(self)
+        if self.device.type == "cpu":
+            _warm_up_dispatch_modes()
+        self.samples = 0
+        self.start_bytes = self.peak_bytes = in_use_bytes(self.device)
+        if self.device.type == "cpu":
+            self._mode = _SampleAfterEachOp(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        self.end_bytes = self.sample()
+        if self in _ACTIVE_CUDA_METERS:
+            _ACTIVE_CUDA_METERS.remove(self)
+
+    def __repr__(self) -> str:
+        return (f"PeakMeter({self.device}, start={self.start_bytes}, peak={self.peak_bytes}, "
+                f"peak_delta={self.peak_delta})")

@@ -1,0 +1,310 @@
+"""Low-precision codecs: error bounds derived from the quantisation grid, exact bytes, eager vs
+compiled bitwise agreement, non-finite and zero inputs, and one compiled graph per dtype.
+
+Compiled kernels live at module level in ds_hilore.codecs, so each compiles once per test
+session (and later sessions load inductor's on-disk cache).
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from ds_hilore import codecs
+from ds_hilore._errors import HiLoReConfigError
+from ds_hilore.codecs import (CODECS, Packed, codec_from_config, compiled_graph_counts,
+                              get_codec)
+from ds_hilore.memory import PeakMeter, live_storage_bytes
+
+# name, options, label: every codec and scaling the registry offers
+VARIANTS = [("int8", {}, "int8"),
+            ("fp8_e4m3", {"fp8_scaling": "token"}, "fp8-token"),
+            ("fp8_e4m3", {"fp8_scaling": "block", "fp8_block_size": 128}, "fp8-block")]
+VARIANT_IDS = [v[2] for v in VARIANTS]
+
+
+def gaussian(n, g, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, g, generator=gen).to(dtype)  # (N, G)
+
+
+def true_rel_error(x, y) -> float:
+    x64, y64 = x.double(), y.double()
+    return ((x64 - y64).norm() / x64.norm()).item()
+
+
+def per_element_scale(p: Packed) -> torch.Tensor:
+    """(N, G) fp64: the scale that applies to each element of the packed tensor."""
+    n, g = p.shape
+    cols = torch.arange(g) // p.block_size
+    return p.scales.double()[:, cols]
+
+
+@pytest.fixture(scope="module", params=["eager", "compile"])
+def backend(request):
+    return request.param
+
+
+# ---- error bounds ---------------------------------------------------------------------------
+
+# int8, per-token absmax: row r has step s_r = amax_r / 127 and round-to-nearest, so every
+# element's error is at most s_r / 2 (deterministic), and for data that is not on the grid
+# the error is ~uniform on [-s_r/2, s_r/2] with mean square s_r^2 / 12 (expected). Hence
+#   rel_error <= sqrt(sum_r G s_r^2 / 4) / ||x||          (hard bound)
+#   rel_error ~= sqrt(sum_r G s_r^2 / 12) / ||x||         (within a few % for G*N >> 1)
+# For Gaussian rows with G = 1024, amax ~ 3.3 sigma, so rel_error ~ 3.3 / (127 sqrt(12))
+# = 0.0075 and the hard bound is sqrt(3) times that. bf16 output adds its own rounding,
+# |bf16(v) - v| <= 2^-8 |v| (8 significand bits), so the hard bound grows by 2^-8 (1 + bound).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_error_is_within_half_a_step_per_element(backend, dtype):
+    x = gaussian(512, 1024, dtype)
+    codec = get_codec("int8", backend)
+    p = codec.pack(x)
+    y = codec.unpack(p)
+    xf = x.double()
+    step = p.scales.double()  # (N, 1)
+    assert torch.equal(p.scales, (x.float().abs().amax(1, keepdim=True) / 127))
+    assert p.payload.dtype == torch.int8 and int(p.payload.abs().max()) == 127
+    hard = math.sqrt((step.square() * x.shape[1] / 4).sum().item()) / xf.norm().item()
+    expected = math.sqrt((step.square() * x.shape[1] / 12).sum().item()) / xf.norm().item()
+    if dtype == torch.bfloat16:
+        hard += 2.0 ** -8 * (1 + hard)
+        bf16_rounding = 2.0 ** -8 * y.double().abs() + 2.0 ** -22 * xf.abs()
+        assert (xf - y.double()).abs().le(step / 2 + bf16_rounding).all()
+    else:
+        # + fp32 rounding of x / s and of q * s: 2^-24 of |x| each
+        assert (xf - y.double()).abs().le(step / 2 + 2.0 ** -22 * xf.abs()).all()
+        assert p.rel_error == pytest.approx(expected, rel=0.05)
+    assert p.rel_error <= hard
+    assert 0.006 < p.rel_error < 0.0095  # the Gaussian estimate 0.0075 above
+    assert p.rel_error == pytest.approx(true_rel_error(x, y), rel=1e-6)
+
+
+# fp8 e4m3, absmax scaled to 448: in scaled units y = x / s, a normal value (|y| >= 2^-6)
+# is rounded to 3 mantissa bits, so its spacing is 2^(floor(log2|y|) - 3) and its error is at
+# most half of that, <= 2^-4 |y|; a subnormal has spacing 2^-9, error <= 2^-10. Hence
+#   rel_error <= 2^-4 + 2^-10 ||s||_elementwise / ||x||    (hard bound, ~0.0625)
+#   rel_error ~= sqrt(sum spacing(y)^2 / 12 * s^2) / ||x||  (expected, uniform rounding)
+# which is ~0.026 for Gaussian data.
+def fp8_spacing(y: torch.Tensor) -> torch.Tensor:
+    exponent = torch.floor(torch.log2(y.abs().clamp(min=2.0 ** -6)))
+    return torch.exp2(exponent - 3)  # subnormals (|y| < 2^-6) share spacing 2^-9
+
+
+@pytest.mark.parametrize("name, options, label", VARIANTS[1:], ids=VARIANT_IDS[1:])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_error_is_within_half_a_spacing_per_element(backend, name, options, label, dtype):
+    # fp32 block: G = 1000, a ragged tail (the ragged kernels); bf16 compiles only the row ones
+    ragged = label == "fp8-block" and dtype == torch.float32
+    x = gaussian(512, 1000 if ragged else 1024, dtype)
+    codec = get_codec(name, backend, **options)
+    p = codec.pack(x)
+    y = codec.unpack(p)
+    xf, s = x.double(), per_element_scale(p)  # (N, G) fp64
+    scaled = xf / s  # (N, G), |.| <= 448 up to the fp32 rounding of s (the codec clamps)
+    assert scaled.abs().max().item() <= 448 * (1 + 2.0 ** -22)
+    spacing = fp8_spacing(scaled) * s  # (N, G) in x units
+    err = (xf - y.double()).abs()
+    norm = xf.norm().item()
+    hard = 2.0 ** -4 + 2.0 ** -10 * s.norm().item() / norm
+    expected = math.sqrt((spacing.square() / 12).sum().item()) / norm
+    if dtype == torch.bfloat16:
+        hard += 2.0 ** -8 * (1 + hard)
+        assert err.le(spacing / 2 + 2.0 ** -8 * y.double().abs() + 2.0 ** -22 * xf.abs()).all()
+    else:
+        assert err.le(spacing / 2 + 2.0 ** -22 * xf.abs()).all()  # + fp32 rounding
+        assert p.rel_error == pytest.approx(expected, rel=0.05)
+    assert p.rel_error <= hard
+    assert 0.02 < p.rel_error < 0.032
+    assert p.rel_error == pytest.approx(true_rel_error(x, y), rel=1e-6)
+
+
+# ---- bytes, shapes, dtypes ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name, options, label", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("shape", [(300, 1024), (77, 1000), (5, 64)])
+def test_nbytes_is_payload_plus_fp32_scales_exactly(backend, name, options, label, shape):
+    n, g = shape
+    codec = get_codec(name, backend, **options)
+    p = codec.pack(gaussian(n, g))
+    blocks = math.ceil(g / min(128, g)) if label == "fp8-block" else 1
+    assert p.scales.shape == (n, blocks) and p.scales.dtype == torch.float32
+    assert p.payload.shape == (n, g) and p.payload.element_size() == 1
+    assert p.nbytes == n * g + 4 * n * blocks
+    assert p.nbytes == live_storage_bytes([p.payload, p.scales])  # nothing larger kept alive
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unpack_restores_shape_and_dtype_and_fills_out(dtype):
+    codec = get_codec("int8")
+    x = gaussian(64, 96, dtype)
+    p = codec.pack(x)
+    assert (p.shape, p.dtype) == ((64, 96), dtype)
+    y = codec.unpack(p)
+    assert (y.shape, y.dtype) == (x.shape, dtype) and y.is_contiguous()
+    out = torch.full_like(x, float("nan"))
+    assert codec.unpack(p, out=out) is out
+    assert torch.equal(out, y)
+
+
+def test_empty_tensors_pack_to_zero_bytes():
+    for codec in (get_codec("int8"), get_codec("fp8_e4m3", fp8_scaling="block")):
+        for shape in [(0, 16), (4, 0)]:
+            p = codec.pack(torch.empty(shape))
+            assert p.nbytes == 0 and p.rel_error == 0.0
+            assert codec.unpack(p).shape == shape
+
+
+# ---- eager vs compiled ------------------------------------------------------------------
+
+# Both backends run the same IEEE operations (exact amax, one correctly rounded division,
+# round-half-even / RNE fp8 cast), so payloads, scales and unpacked tensors agree bitwise.
+# rel_error is a sum of fp32 row sums (in units of the row scale), accumulated in a
+# different order (inductor: 16 lanes; eager: aten's cascade): agreement to 1e-6 relative.
+@pytest.mark.parametrize("name, options, label", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_and_eager_agree_bitwise(name, options, label, dtype):
+    g = 1000 if dtype == torch.float32 else 1024  # fp8-block: ragged for fp32 only (compile time)
+    x = gaussian(700, g, dtype, seed=3) * 5  # 700 rows: several eager chunks
+    eager, compiled = (get_codec(name, b, **options) for b in ("eager", "compile"))
+    pe, pc = eager.pack(x), compiled.pack(x)
+    assert torch.equal(pe.payload.view(torch.uint8), pc.payload.view(torch.uint8))
+    assert torch.equal(pe.scales, pc.scales)
+    assert pe.nbytes == pc.nbytes
+    assert pc.rel_error == pytest.approx(pe.rel_error, rel=1e-6)
+    assert torch.equal(eager.unpack(pe), compiled.unpack(pc))
+    assert torch.equal(eager.unpack(pc), compiled.unpack(pe))  # packed data is portable
+
+
+def test_compiled_kernels_do_not_recompile_for_new_shapes():
+    codecs_ = [get_codec(n, "compile", **o) for n, o, _ in VARIANTS]
+    for c in codecs_:  # first shapes: compile (or find) the graphs
+        c.unpack(c.pack(gaussian(16, 384)))  # fp8-block: (16*3, 128) rows
+        c.unpack(c.pack(gaussian(16, 200)))  # fp8-block: ragged kernels
+    before = compiled_graph_counts()
+    assert all(v >= 1 for v in before.values()), before
+    # new N and G; G > 4096 and N == G, which inductor / duck sizing would otherwise guard
+    # on; autocast on, as in a mixed-precision forward (its state is a dynamo guard); sizes
+    # of 1 (e.g. a norm's (B*T, 1) rstd), which dynamo specialises: they run eager
+    for shape, autocast in [((1000, 1000), False), ((33, 4864), False), ((4097, 640), True),
+                            ((5000, 1), False), ((1, 3000), False)]:
+        for c in codecs_:
+            x = gaussian(*shape)
+            eager = get_codec(c.name, **c.options)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                assert torch.equal(c.unpack(c.pack(x)), eager.unpack(eager.pack(x)))
+    assert compiled_graph_counts() == before
+
+
+def test_compiled_codec_works_inside_saved_tensor_hooks_and_backward():
+    codec = get_codec("int8", "compile")
+    w = torch.randn(64, 64, requires_grad=True)
+    x = gaussian(128, 64)
+    exact = torch.autograd.grad(torch.tanh(x @ w).square().sum(), w)[0]
+    with torch.autograd.graph.saved_tensors_hooks(codec.pack, codec.unpack):
+        loss = torch.tanh(x @ w).square().sum()  # saves x (packed) and tanh's output (packed)
+    (approx,) = torch.autograd.grad(loss, w)
+    assert true_rel_error(exact, approx) < 0.05
+
+
+def test_under_a_dispatch_mode_compiled_codec_runs_chunked_eager_with_small_peak():
+    codec = get_codec("int8", "compile")
+    x = gaussian(4096, 1024)  # 16 MiB fp32
+    reference = codec.pack(x)
+    before = compiled_graph_counts()
+    with PeakMeter("cpu") as meter:
+        p = codec.pack(x)
+    assert compiled_graph_counts() == before
+    assert torch.equal(p.payload, reference.payload)
+    # payload 4 MiB + scales; unchunked eager would hold several 16 MiB fp32 temporaries
+    assert meter.peak_delta < p.nbytes + 8 * 2 ** 20, meter
+
+
+# ---- non-finite and zero inputs --------------------------------------------------------
+
+@pytest.mark.parametrize("name, options, label", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_refused(backend, name, options, label, bad):
+    codec = get_codec(name, backend, **options)
+    x = gaussian(600, 1000)  # several eager chunks
+    for where in [(0, 0), (599, 999), (300, 517)]:
+        y = x.clone()
+        y[where] = bad
+        assert codec.pack(y) is None, where
+    assert codec.pack(x) is not None
+
+
+@pytest.mark.parametrize("name, options, label", VARIANTS, ids=VARIANT_IDS)
+def test_zero_rows_unpack_to_exact_zeros(backend, name, options, label):
+    codec = get_codec(name, backend, **options)
+    x = gaussian(64, 256)
+    x[::3] = 0
+    p = codec.pack(x)
+    y = codec.unpack(p)
+    assert torch.isfinite(p.scales).all() and torch.isfinite(y).all()
+    assert torch.equal(y[::3], x[::3])
+    assert p.rel_error == pytest.approx(true_rel_error(x, y), rel=1e-6)
+    zero = codec.pack(torch.zeros(8, 256))
+    assert zero.rel_error == 0.0 and torch.equal(codec.unpack(zero), torch.zeros(8, 256))
+
+
+def test_tiny_and_huge_rows_keep_finite_errors():
+    codec = get_codec("int8", "compile")
+    x = gaussian(4, 512)
+    x[0] *= 1e-40  # subnormal row: amax / 127 underflows
+    x[1] *= 1e30  # squares overflow fp32; the error sums run in fp64
+    p = codec.pack(x)
+    assert math.isfinite(p.rel_error) and p.rel_error < 0.01
+    assert torch.isfinite(codec.unpack(p)).all()
+
+
+# ---- registry and errors ------------------------------------------------------------------
+
+def test_unknown_codec_lists_the_known_ones():
+    with pytest.raises(HiLoReConfigError) as info:
+        get_codec("int4")
+    message = str(info.value)
+    assert "low_precision" in message and "'int4'" in message
+    for name in CODECS:
+        assert repr(name) in message
+    with pytest.raises(HiLoReConfigError, match="codec_backend.*'eager', 'compile'"):
+        get_codec("int8", backend="triton")
+    with pytest.raises(HiLoReConfigError, match="takes no option.*scaling"):
+        get_codec("int8", fp8_scaling="block")
+    with pytest.raises(HiLoReConfigError, match="fp8_block_size = 0"):
+        get_codec("fp8_e4m3", fp8_block_size=0)
+    with pytest.raises(HiLoReConfigError, match="fp8_scaling = 'tensor'.*'token' or 'block'"):
+        get_codec("fp8_e4m3", fp8_scaling="tensor")
+
+
+def test_codec_from_config_reads_the_hilore_block():
+    from ds_hilore.config import HiLoReConfig
+
+    codec = codec_from_config(HiLoReConfig(low_precision="fp8_e4m3", fp8_scaling="block",
+                                           fp8_block_size=64, codec_backend="eager"))
+    assert (codec.name, codec.backend) == ("fp8_e4m3", "eager")
+    assert dict(codec.options) == {"fp8_scaling": "block", "fp8_block_size": 64}
+    assert codec_from_config(HiLoReConfig(low_precision="none")) is None
+    assert codec_from_config(HiLoReConfig()).name == "int8"
+
+
+def test_compile_failure_falls_back_to_eager_and_logs_once(caplog, monkeypatch):
+    def enc(x):  # its own code object: dynamo state of the real kernels stays untouched
+        return codecs._encode_rows(x, codecs.INT8_MAX, codecs._int8_grid)
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no C++ compiler")
+
+    kernel = codecs._Kernel(enc, unbacked=True)
+    monkeypatch.setattr(kernel, "_inductor", broken)
+    spec = codecs.CodecSpec(payload_dtype=torch.int8, qmax=codecs.INT8_MAX, encode=kernel,
+                            decode=CODECS["int8"].decode, summary="test")
+    codec = codecs.Codec("int8", spec, "compile", {})
+    x = gaussian(32, 64)
+    with caplog.at_level(logging.WARNING, logger="ds_hilore.codecs"):
+        first, second = codec.pack(x), codec.pack(x)
+    assert torch.equal(first.payload, get_codec("int8").pack(x).payload)
+    assert torch.equal(second.payload, first.payload)
+    assert "no C++ compiler" in spec.encode.failure
+    assert len([r for r in caplog.records if "torch.compile of codec kernel" in r.message]) == 1
