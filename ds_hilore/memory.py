@@ -5,6 +5,8 @@
   mmapped chunks), which is where torch's CPU allocator gets its memory.
 * ``PeakMeter`` -- the peak of ``in_use_bytes`` over a ``with`` block, forward and backward.
 * ``live_storage_bytes(tensors)`` -- exact bytes held by a set of tensors (shared storage once).
+* ``LiveStorages`` -- storages allocated by aten ops inside a ``with`` block; ``live_bytes()``
+  counts those still alive, exactly (no allocator noise): what a method *retains*.
 
 Example::
 
@@ -25,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import HiLoReError
 
-__all__ = ["PeakMeter", "in_use_bytes", "live_storage_bytes"]
+__all__ = ["LiveStorages", "PeakMeter", "in_use_bytes", "live_storage_bytes"]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -184,3 +186,62 @@ class PeakMeter:
     def __repr__(self) -> str:
         return (f"PeakMeter({self.device}, start={self.start_bytes}, peak={self.peak_bytes}, "
                 f"peak_delta={self.peak_delta})")
+
+
+class _RecordAllocations(TorchDispatchMode):
+    def __init__(self, tracker: "LiveStorages"):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_flatten
+        inputs = {t.untyped_storage().data_ptr() for t in flat((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in flat(out)[0]:  # new allocations only: a view aliases an input's storage
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.tracker._add(t)
+        return out
+
+
+class LiveStorages:
+    """Storages allocated by aten ops while active; ``live()`` lists those still alive.
+
+    Exact: a storage counts while any tensor, saved variable or packed payload keeps it,
+    once however many views share it. Used to compare what methods retain after a forward
+    (e.g. HiLoRe all-R against gradient checkpointing: equal to the byte).
+
+    Example::
+
+        with LiveStorages() as tracker:
+            loss = model(x).loss
+        retained = tracker.live_bytes()
+    """
+
+    def __init__(self):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._weak_ref = StorageWeakRef
+        self._mode = _RecordAllocations(self)
+        self._refs: dict[int, tuple] = {}  # storage id -> (weak ref, bytes, shape, dtype)
+
+    def _add(self, t: torch.Tensor) -> None:
+        ref = self._weak_ref(t.untyped_storage())
+        old = self._refs.get(ref.cdata)
+        if old is None or old[0].expired():
+            self._refs[ref.cdata] = (ref, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype)
+
+    def __enter__(self) -> "LiveStorages":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+    def live(self) -> list[tuple[int, tuple, torch.dtype]]:
+        """(bytes, shape, dtype) of each live storage (of the op output that allocated it)."""
+        return [(n, shape, dtype) for ref, n, shape, dtype in self._refs.values()
+                if not ref.expired()]
+
+    def live_bytes(self) -> int:
+        return sum(n for n, _, _ in self.live())

@@ -6,7 +6,8 @@ import torch
 import ds_hilore
 from ds_hilore.bundle import Counters, Stored
 from ds_hilore.codecs import get_codec
-from models import LiveStorages, batch, loss_and_grads, tiny_model
+from ds_hilore.memory import LiveStorages
+from models import batch, loss_and_grads, tiny_model
 
 # Documented bounds for all-L on a tiny Llama (2 layers, hidden 64, seq 64 x 3, fp32, no dropout):
 # measured 0.0034 (int8 per-token absmax) and 0.0143 (fp8 e4m3 per-token); the bounds leave ~2x room.

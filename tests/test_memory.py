@@ -101,3 +101,21 @@ def test_cuda_peak_meter_sees_a_freed_allocation():
         del t
     assert meter.peak_delta >= 64 * MiB
     assert meter.end_bytes == meter.start_bytes
+
+
+def test_live_storages_count_new_allocations_once_and_only_while_alive():
+    from ds_hilore.memory import LiveStorages
+
+    x = torch.randn(256, 256)  # made outside: not counted
+    with LiveStorages() as tracker:
+        y = x * 2  # 256 KiB
+        view = y.t()  # an alias: not a new storage
+        z = y + 1  # 256 KiB, dropped below
+    assert tracker.live_bytes() == 2 * 256 * 256 * 4
+    del z
+    assert tracker.live_bytes() == 256 * 256 * 4
+    assert tracker.live() == [(256 * 256 * 4, (256, 256), torch.float32)]
+    del y
+    assert tracker.live_bytes() == 256 * 256 * 4  # the view keeps the storage
+    del view
+    assert tracker.live_bytes() == 0

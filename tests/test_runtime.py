@@ -12,7 +12,8 @@ import torch
 
 import ds_hilore
 from ds_hilore import HiLoReError
-from models import ARCHS, LiveStorages, batch, loss_and_grads, tiny_model, with_lora
+from ds_hilore.memory import LiveStorages
+from models import ARCHS, batch, loss_and_grads, tiny_model, with_lora
 
 EXACT_PLANS = {
     "all-H": "H",
