@@ -406,6 +406,11 @@ def drop_zero_rows(advantages: Tensor, mask: Tensor, *, beta: float = 0.0) -> Ro
     TRL's does) leaves every other row's ω, hence the gradient, unchanged. At least one row is
     kept, so every rank still runs a backward and ZeRO's reductions do not hang.
 
+    "Unchanged" is exact in value; in floating point, parameter gradients that sum over all
+    positions (norm weights, biases) are bitwise equal only while the shorter sum adds the same
+    partial sums in the same order (on CPU: T a multiple of 16 and B·T <= 256, NOTE [ Bitwise
+    shapes ] in tests/test_grpo.py); otherwise they differ at rounding level (~1e-10 relative).
+
     Args:
         advantages: (B,) advantages of the microbatch.
         mask: (B, T) completion mask.
