@@ -475,25 +475,26 @@ class HiLoReRuntime:
 
     def _weight_ref(self, t: torch.Tensor, layer_module: nn.Module) -> WeightRef | None:
         """A reference when ``t`` is a parameter, a view of one, or an autocast cast of one."""
-        params = self._layer_params[id(layer_module)]
-        ptr = t.untyped_storage().data_ptr()
-        for p in params:
-            if p.numel() and p.untyped_storage().data_ptr() == ptr:
-                return WeightRef(p, None, t)
         base = t._base if t._base is not None else t
-        if not base.is_contiguous():
-            return None
+        if isinstance(base, nn.Parameter):  # the common case: W.t() saved by a matmul
+            return WeightRef(base, None, t)
         if base.grad_fn is not None:  # autocast cast of a trainable weight: ToCopy <- AccumulateGrad
-            if not type(base.grad_fn).__name__.startswith("ToCopyBackward"):
-                return None
+            if not type(base.grad_fn).__name__.startswith("ToCopyBackward") or not base.is_contiguous():
+                return None  # an activation
             source = base.grad_fn.next_functions[0][0] if base.grad_fn.next_functions else None
             p = getattr(source, "variable", None)
+            params = self._layer_params[id(layer_module)]
             if p is not None and any(p is q for q in params) and p.shape == base.shape:
                 return WeightRef(p, base.dtype, t)
             return None
-        if base.requires_grad:
+        params = self._layer_params[id(layer_module)]
+        ptr = t.untyped_storage().data_ptr()
+        for p in params:  # a detached alias of a parameter
+            if p.numel() and p.untyped_storage().data_ptr() == ptr:
+                return WeightRef(p, None, t)
+        if base.requires_grad or not base.is_contiguous():
             return None
-        for p in params:  # autocast cast of a frozen weight (LoRA base): checked once by value
+        for p in params:  # autocast cast of a frozen weight (LoRA base): checked by value
             if not p.requires_grad and p.shape == base.shape and p.dtype != base.dtype \
                     and self._is_cast_of(p, base):
                 return WeightRef(p, base.dtype, t)
