@@ -354,3 +354,21 @@ def test_force_plan_glob_overrides_set_plan():
     with pytest.raises(HiLoReError, match="match no recovery unit"):
         ds_hilore.attach(_build("llama", lora=False),
                          dict(EXACT_CONFIG, force_plan={"layers.*.attention": "H"}))
+
+
+@pytest.mark.parametrize("plan", ["H", "R", {"*.attn": "H", "*.mlp": "R"}], ids=["H", "R", "attn-H"])
+def test_retain_graph_second_backward_recomputes_what_was_consumed(plan):
+    inputs = batch()
+
+    def twice(model):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(11)
+        loss = model(**inputs).logits.float().square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model = _build("llama", lora=False)
+    ref = twice(model)
+    runtime = ds_hilore.attach(model, dict(EXACT_CONFIG, force_plan=plan))
+    assert _mismatches(ref, twice(model)) == []
