@@ -230,25 +230,31 @@ def hilore_config(method: Method, codec_backend: str = "compile") -> HiLoReConfi
                         codec_backend=codec_backend)
 
 
-def measure(model: torch.nn.Module, data, method: Method, preset: DemoPreset) -> Result:
-    """Warm-up, timed steps, then one step under ``PeakMeter`` (its dispatch mode slows ops)."""
+def timed_step(model: torch.nn.Module, data, method: Method, preset: DemoPreset) -> float:
+    """Seconds of one forward+backward with ``method`` switched on."""
+    with activated(model, method, preset.codec_backend):
+        start = time.perf_counter()
+        grpo_step(model, data)
+        elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def inspect(model: torch.nn.Module, data, method: Method, preset: DemoPreset,
+            step_s: list[float]) -> Result:
+    """Gradients and runtime stats of one step, then one step under ``PeakMeter`` (its
+    dispatch mode slows ops, so it is never timed)."""
     with activated(model, method, preset.codec_backend) as runtime:
-        times = []
-        for i in range(preset.warmup + preset.steps):
-            start = time.perf_counter()
-            grpo_step(model, data)
-            elapsed = time.perf_counter() - start
-            if runtime is not None:
-                runtime.end_step()
-            if i >= preset.warmup:
-                times.append(elapsed)
+        grpo_step(model, data)
         grads = _trainable_grads(model)
+        if runtime is not None:
+            runtime.end_step()
         stats = runtime.stats if runtime is not None else None
         model.zero_grad(set_to_none=True)
         with PeakMeter("cpu") as meter:
             grpo_step(model, data)
         model.zero_grad(set_to_none=True)
-    return Result(method, times, meter.peak_delta, grads, stats)
+    return Result(method, step_s, meter.peak_delta, grads, stats)
 
 
 def _trainable_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -271,14 +277,25 @@ def compare(results: list[Result]) -> None:
 
 def run(model: torch.nn.Module, data, preset: DemoPreset,
         methods: Sequence[Method] = METHODS) -> list[Result]:
-    """Measure every method on the same batch; progress lines go to stdout."""
+    """Measure every method on the same batch; progress lines go to stdout.
+
+    Timed steps go round-robin over the methods (warm-up rounds first), so that a noisy
+    machine slows every method alike and the ratios to GC stay meaningful.
+    """
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    rounds = preset.warmup + preset.steps
+    for r in range(rounds):
+        kind = "warm-up" if r < preset.warmup else "timed"
+        print(f"[round {r + 1}/{rounds}, {kind}] one step of each method ...", flush=True)
+        for method in methods:
+            elapsed = timed_step(model, data, method, preset)
+            if r >= preset.warmup:
+                times[method.name].append(elapsed)
     results = []
     for i, method in enumerate(methods, 1):
-        print(f"[{i}/{len(methods)}] {method.name}: {preset.warmup} warm-up + {preset.steps} "
-              "timed steps, then a peak-memory pass ...", flush=True)
-        start = time.perf_counter()
-        results.append(measure(model, data, method, preset))
-        print(f"      done in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"[{i}/{len(methods)}] {method.name}: gradients, stats and a peak-memory pass ...",
+              flush=True)
+        results.append(inspect(model, data, method, preset, times[method.name]))
     compare(results)
     return results
 
