@@ -24,15 +24,19 @@ A unit kept in H/L that precedes one being recomputed is fast-forwarded: its chi
 swapped for stand-ins returning the cached output of the unit (retained at forward only when
 the capture plan needs it) or shape-only placeholders for outputs that never leave the unit.
 Skipping a unit skips its RNG draws, so the RNG state is snapshotted at every unit's entry in
-forward (only when it differs from the previous snapshot) and restored there on re-run; without
-it later dropout masks would silently differ. Recomputed tensors refill slots by their order
-within the unit, checked against the forward's shapes and dtypes.
+forward (only when it differs from the previous snapshot) and restored there on re-run, and at
+a fast-forwarded unit's exit, restored by its last stand-in, for layer-body code between units
+(OPT's dropout after the attention); without them later dropout masks would silently differ.
+A unit whose other children feed a later unit (a parallel block sharing a norm) is re-run, not
+fast-forwarded. Recomputed tensors refill slots by their order within the unit, checked
+against the forward's shapes and dtypes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import weakref
 from typing import Any, Callable
@@ -42,7 +46,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._errors import bug
+from ._errors import HiLoReError, bug
 from .exposure import input_norms
 from .units import LayerUnits
 
@@ -400,6 +404,12 @@ def _stop():
     raise _StopRecompute
 
 
+def _fast_forward_exit(value, rng: "RngState | None"):
+    if rng is not None:
+        rng.restore()
+    return _from_fast_forward(value)
+
+
 class CapturePlan:
     """What a layer call keeps: an action per unit and, for H/L units, per-sequence actions."""
 
@@ -421,7 +431,9 @@ class LayerFrame:
         inputs = [x for x in tree_flatten((args, getattr(fn, "keywords", {})))[0]
                   if isinstance(x, torch.Tensor)]
         self.input_ptrs = {x.untyped_storage().data_ptr() for x in inputs}
-        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else inputs[0]
+        keywords = getattr(fn, "keywords", {})
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else \
+            keywords.get("hidden_states", inputs[0])
         self.batch = hidden.shape[0]
         self.seq_len = hidden.shape[1] if hidden.dim() >= 2 else 1
         self.device_type = hidden.device.type
@@ -435,11 +447,19 @@ class LayerFrame:
         self.boundary: set[int] = set()  # storages entering a unit: never packed (rule 2)
         self.unit_rng: list[RngState | None] = [None] * n
         self.ff_out: list[Any] = [None] * n  # unit output cached for fast-forward
+        self.ff_rng: list[RngState | None] = [None] * n  # RNG state at that unit's exit
+        self.child_outputs: dict[int, str] = {}  # storage ptr -> child whose output it is
+        self.consumed: set[str] = set()  # children whose output a later unit reads
         self.out_specs: dict[str, Any] = {}
         self.child_order: list[str] = []
         self.rc_counts = [0] * n
         self.rc_need: set[int] = set()
         self.token_norms: list[torch.Tensor | None] = [None] * n  # (B, T) unit-input norms
+        for unit, rows in zip(layer.units, plan.rows):
+            if rows is not None and len(rows) != self.batch:
+                raise HiLoReError(f"per-sequence plan of {unit.name} has {len(rows)} entries, but "
+                                  f"this microbatch has {self.batch} sequences; set_plan(rows=...) "
+                                  "must give one action per sequence of the next microbatch.")
         self.elided_rows: set[int] = set()  # sequences with zero loss coefficients
         self.skip_zero_recompute = False  # every rank agreed: all sequences elided
 
@@ -478,6 +498,11 @@ class LayerFrame:
             rng = RngState(self.device_type)
             prev = next((r for r in reversed(self.unit_rng[:pos]) if r is not None), self.rng)
             self.unit_rng[pos] = prev if rng.same_as(prev) else rng
+            for x in (*args, *kwargs.values()):
+                producer = self.child_outputs.get(x.untyped_storage().data_ptr()) \
+                    if isinstance(x, torch.Tensor) else None
+                if producer is not None and self.layer.child_unit[producer] < pos:
+                    self.consumed.add(producer)  # read across units: see _fast_forwardable
             first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
             if first is not None:
                 self.boundary.add(first.untyped_storage().data_ptr())
@@ -489,9 +514,16 @@ class LayerFrame:
         if self.recomputing:
             return
         self.out_specs[name] = _spec(output)
+        for x in tree_flatten(output)[0]:
+            if isinstance(x, torch.Tensor):
+                self.child_outputs[x.untyped_storage().data_ptr()] = name
         pos = self.layer.child_unit[name]
         if self.plan.needs_fast_forward(pos):
             self.ff_out[pos] = _fast_forward_value(output)  # the unit's last child wins
+            # code of the layer body after the unit (e.g. a dropout) draws from the RNG as it is
+            # at the unit's exit; a fast-forward must leave it there too
+            rng = RngState(self.device_type)
+            self.ff_rng[pos] = self.unit_rng[pos] if rng.same_as(self.unit_rng[pos]) else rng
 
     def _pack(self, t: torch.Tensor) -> _Slot:
         pos = self.current
@@ -590,11 +622,14 @@ class LayerFrame:
         need = {trigger} | {p for p, refs in enumerate(self.slots)
                             if any((s := r()) is not None and s.empty() and not s.consumed for r in refs)}
         last = max(need)
-        rerun = set(need) | {p for p in range(last) if self.ff_out[p] is None}
+        rerun = set(need) | {p for p in range(last) if not self._fast_forwardable(p)}
         start = time.perf_counter()
         self.rc_need, self.rc_counts = need, [0] * len(self.slots)
         self.current, self.recomputing = 0, True
         args = tuple(_detach_like(a) for a in self.args)
+        fn = self.fn
+        if isinstance(fn, functools.partial) and fn.keywords:  # detach keyword tensors too
+            fn = functools.partial(fn.func, *fn.args, **_detach_like(fn.keywords))
         outer_rng = RngState(self.device_type)  # a recompute never advances the training RNG
         try:
             with self._stand_ins(rerun, last), torch.enable_grad(), \
@@ -602,7 +637,7 @@ class LayerFrame:
                     torch.autograd.graph.saved_tensors_hooks(self._recompute_pack, _never_unpacked):
                 self.rng.restore()
                 try:
-                    self.fn(*args)
+                    fn(*args)
                 except _StopRecompute:
                     pass
         finally:
@@ -613,6 +648,7 @@ class LayerFrame:
                 raise bug(f"recompute of {self.layer.units[p].name} saved {self.rc_counts[p]} tensors, "
                           f"forward saved {len(self.shapes[p])}")
         self.ff_out = [None] * len(self.ff_out)  # used; a second backward re-runs those units
+        self.ff_rng = [None] * len(self.ff_rng)
         self.ctx.counters.recomputed_units += len(need)
         self.ctx.counters.recompute_s += time.perf_counter() - start
 
@@ -626,7 +662,7 @@ class LayerFrame:
             if pos > last:
                 make = _stop
             elif name == self._last_child(pos):
-                make = (lambda out=self.ff_out[pos]: _from_fast_forward(out))
+                make = functools.partial(_fast_forward_exit, self.ff_out[pos], self.ff_rng[pos])
             else:
                 make = (lambda spec=self.out_specs.get(name): _placeholder(spec))
             swapped[name] = module._modules[name]
@@ -635,6 +671,13 @@ class LayerFrame:
             yield
         finally:
             module._modules.update(swapped)
+
+    def _fast_forwardable(self, pos: int) -> bool:
+        """Unit ``pos`` can be skipped on a re-run: its output is cached, and no later unit reads
+        the output of one of its other children (a parallel block sharing a norm)."""
+        last = self._last_child(pos)
+        return self.ff_out[pos] is not None and all(
+            c == last for c in self.consumed if self.layer.child_unit[c] == pos)
 
     def _last_child(self, pos: int) -> str | None:
         return next((c for c in reversed(self.child_order) if self.layer.child_unit[c] == pos), None)

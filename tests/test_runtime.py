@@ -372,3 +372,68 @@ def test_retain_graph_second_backward_recomputes_what_was_consumed(plan):
     ref = twice(model)
     runtime = ds_hilore.attach(model, dict(EXACT_CONFIG, force_plan=plan))
     assert _mismatches(ref, twice(model)) == []
+
+
+def _exact_under_every_plan(model, config, inputs=None):
+    inputs = inputs or batch()
+    _, ref = loss_and_grads(model, inputs)
+    runtime = ds_hilore.attach(model, dict(EXACT_CONFIG, **config))
+    for label, plan in EXACT_PLANS.items():
+        runtime.set_plan(plan)
+        _, grads = loss_and_grads(model, inputs)
+        assert _mismatches(ref, grads) == [], label
+    return runtime
+
+
+def test_dropout_in_the_layer_body_between_units():
+    # OPT draws a dropout in the layer's own code after the attention: a fast-forwarded
+    # attention must leave the RNG where the forward left it
+    import transformers
+    config = transformers.OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                    num_attention_heads=4, max_position_embeddings=64,
+                                    word_embed_proj_dim=32, dropout=0.1, attention_dropout=0.1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config).train()
+    _exact_under_every_plan(model, {"attn_children": ["self_attn_layer_norm", "self_attn"],
+                                    "mlp_children": ["final_layer_norm", "fc1", "activation_fn", "fc2"]})
+
+
+def test_parallel_block_sharing_a_norm_is_rerun_not_fast_forwarded():
+    # Cohere's MLP reads the output of input_layernorm, a child of the attention unit
+    import transformers
+    config = transformers.CohereConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                       intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=64,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.CohereForCausalLM(config).train()
+    _exact_under_every_plan(model, {"attn_children": ["input_layernorm", "self_attn"],
+                                    "mlp_children": ["mlp"]})
+
+
+def test_hidden_states_passed_by_keyword_after_the_mask():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class KeywordLayer(LlamaDecoderLayer):
+        def __call__(self, hidden_states, **kwargs):
+            mask = kwargs.pop("attention_mask")
+            return super().__call__(attention_mask=mask, hidden_states=hidden_states, **kwargs)
+
+    model = _build("llama", lora=False)
+    for layer in model.model.layers:
+        layer.__class__ = KeywordLayer
+    runtime = _exact_under_every_plan(model, {})
+    out = model(**batch())
+    frame = runtime._mb.live_frames()[0]
+    assert (frame.batch, frame.seq_len) == (3, 16)
+    del out
+
+
+def test_per_sequence_plan_must_match_the_batch():
+    model = _build("llama", lora=False)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    runtime.set_plan("H", rows={"model.layers.0.attn": ("H", "E")})
+    with pytest.raises(HiLoReError, match="has 2 entries, but this microbatch has 3 sequences"):
+        model(**batch())
