@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ._errors import HiLoReError
+
 SOURCES = ("analytic", "hidden_grad")
 
 
@@ -32,7 +34,7 @@ def align(coefficients: torch.Tensor, seq_len: int, offset: int | None = None) -
     batch, cols = coefficients.shape
     offset = default_offset(seq_len, cols) if offset is None else offset
     if offset < 0 or offset + cols > seq_len:
-        raise ValueError(f"coefficients with {cols} positions at offset {offset} do not fit in "
+        raise HiLoReError(f"coefficients with {cols} positions at offset {offset} do not fit in "
                          f"{seq_len} hidden positions; pass the (B, T') ω of this microbatch "
                          "with T' <= T, or the right offset.")
     out = coefficients.new_zeros((batch, seq_len), dtype=torch.float32)  # (B, T)
@@ -42,6 +44,14 @@ def align(coefficients: torch.Tensor, seq_len: int, offset: int | None = None) -
 
 def default_offset(seq_len: int, cols: int) -> int:
     return max(seq_len - 1 - cols, 0)
+
+
+def window(like: torch.Tensor, cols: int, offset: int | None) -> torch.Tensor:
+    """1 on the hidden positions ω's ``cols`` columns cover, 0 elsewhere: (B, T) like ``like``."""
+    covered = torch.zeros_like(like)
+    start = default_offset(like.shape[1], cols) if offset is None else offset
+    covered[:, start:start + cols] = 1.0
+    return covered
 
 
 def token_weights(norms: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:

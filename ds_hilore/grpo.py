@@ -366,7 +366,7 @@ def _hand_off(coefficients: Tensor, logp: Tensor, model: torch.nn.Module | None 
 
     runtime = find_runtime(model)
     if runtime is not None and runtime.enabled:
-        runtime.set_coefficients(coefficients)
+        runtime.set_coefficients(coefficients, logp=logp)
 
 
 # ---------------------------------------------------------------------------------------------

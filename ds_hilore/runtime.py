@@ -30,13 +30,14 @@ from ._errors import HiLoReError
 from .codecs import codec_from_config
 from .bundle import CapturePlan, Counters, LayerFrame, WeightRef
 from .config import HiLoReConfig
-from .units import LayerUnits, Unit, find_units
+from .units import UNIT_KINDS, LayerUnits, Unit, find_units, is_checkpointing_layer
 
 logger = logging.getLogger("ds_hilore")
 
 ACTIONS = ("H", "L", "R")
 _ATTACHED: "weakref.WeakSet[HiLoReRuntime]" = weakref.WeakSet()
 _MAX_MICROBATCHES_KEPT = 64
+_MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
 
 
 def attach(model: nn.Module, config: HiLoReConfig | Mapping | str | None = None) -> "HiLoReRuntime":
@@ -83,7 +84,9 @@ class _Microbatch:
         self.token_weights: torch.Tensor | None = None  # (B, T) |ω| on hidden positions
         self.source: str | None = None
         self.zero_rows: list[int] = []
-        self.hidden_grad_seen = False
+        self.last_hidden_fn: int | None = None  # id of the last layer output's grad_fn
+        self.batch: int | None = None  # sequences of the forward
+        self.seq_len: int | None = None  # hidden positions of the forward
         self.summary: dict[str, Any] = {}
 
     def frame(self, layer_index: int) -> LayerFrame | None:
@@ -151,6 +154,8 @@ class HiLoReRuntime:
         self._step: list[dict] = []
         self._last_step: list[dict] | None = None
         self._verified_casts: dict[tuple[int, torch.dtype], bool] = {}
+        self._live_mbs: "weakref.WeakSet[_Microbatch]" = weakref.WeakSet()
+        self._warned_leak = False
         self._saved: list = []  # what attach changed, for detach
         if not config.enabled:
             return
@@ -251,7 +256,7 @@ class HiLoReRuntime:
         if frame is None:
             raise HiLoReError(f"downgrade({name!r}): no microbatch of this unit is alive; call it "
                               "between the forward and the backward of a microbatch.")
-        pos = unit.index - 2 * unit.layer_index
+        pos = unit.index - len(UNIT_KINDS) * unit.layer_index  # position inside its layer
         current = frame.plan.actions[pos]
         allowed = {"H": {"L", "R", "E"}, "L": {"L", "R", "E"}, "R": {"R"}}[current]
         if action not in allowed:
@@ -265,23 +270,50 @@ class HiLoReRuntime:
         frame.downgrade(pos, action, rows)
         self._summarise(self._mb)
 
-    def set_coefficients(self, coefficients: torch.Tensor, offset: int | None = None) -> None:
-        """Hand the loss coefficients ω (B, T') of the current microbatch to the runtime.
+    def set_coefficients(self, coefficients: torch.Tensor, offset: int | None = None,
+                         logp: torch.Tensor | None = None) -> None:
+        """Hand the loss coefficients ω (B, T') of a microbatch to the runtime, before its backward.
 
         Column j of ω belongs to hidden position ``offset + j``; by default ω ends at position
         T - 2 (the hidden state at t produces the log-prob of token t + 1), which is where
-        ``logits[:, :-1]`` / ``logits_to_keep`` log-probs come from. Sequences whose ω is exactly zero are elided at once
-        from every H/L unit (NOTE [ Exact zeros ] in bundle.py); exposure is computed per unit
-        and sequence. ``ds_hilore.grpo.policy_loss`` calls this by itself.
+        ``logits[:, :-1]`` / ``logits_to_keep`` log-probs come from. ``logp`` (the log-probs ω
+        was computed from) names the microbatch when several forwards are alive; without it,
+        the latest forward is meant. Sequences whose ω is exactly zero are elided from every H/L
+        unit (NOTE [ Exact zeros ] in bundle.py); exposure is computed per unit and sequence.
+        ``ds_hilore.grpo.policy_loss`` calls this by itself.
         """
-        mb = self._mb
-        if mb is None or not mb.frames:
-            return
         if coefficients.dim() != 2:
             raise HiLoReError(f"set_coefficients expects (B, T') coefficients, got "
                               f"{tuple(coefficients.shape)}")
+        mb = self._microbatch_of(logp)
+        if mb is None:
+            return
+        frames = mb.live_frames()
+        _check_coefficients(coefficients, frames[0], offset)
         mb.coefficients = coefficients.detach()
+        if self.config.exposure_source == "hidden_grad":
+            return  # the user asked for the automatic source only
         self._apply_exposure(mb, mb.coefficients, offset, source="analytic")
+
+    def _microbatch_of(self, logp: torch.Tensor | None) -> "_Microbatch | None":
+        """The live microbatch whose last layer output ``logp`` was computed from."""
+        live = [mb for mb in list(self._live_mbs) if mb.live_frames()]
+        if logp is not None and logp.grad_fn is not None and len(live) > 1:
+            wanted = {mb.last_hidden_fn: mb for mb in live if mb.last_hidden_fn is not None}
+            seen, todo = set(), [logp.grad_fn]
+            while todo and len(seen) < _MAX_GRAPH_WALK:  # the LM head is a few nodes above
+                node = todo.pop()
+                if id(node) in wanted:
+                    return wanted[id(node)]
+                if id(node) not in seen:
+                    seen.add(id(node))
+                    todo.extend(n for n, _ in node.next_functions if n is not None)
+        if len(live) > 1:
+            logger.warning("ds_hilore: %d forwards are alive and the coefficients do not say which "
+                           "one they belong to; nothing is elided. Pass logp= to set_coefficients "
+                           "(policy_loss does).", len(live))
+            return None
+        return live[0] if live else None
 
     @property
     def exposure(self) -> dict[str, list[float]]:
@@ -295,11 +327,6 @@ class HiLoReRuntime:
 
     def _apply_exposure(self, mb: _Microbatch, coefficients: torch.Tensor, offset, source: str):
         frames = mb.live_frames()
-        for frame in frames:
-            if frame.batch != coefficients.shape[0]:
-                raise HiLoReError(f"{coefficients.shape[0]} sequences of coefficients, but the "
-                                  f"microbatch's forward had {frame.batch}; pass those of the same "
-                                  "microbatch (one row per sequence).")
         if not frames:
             return
         abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
@@ -309,8 +336,9 @@ class HiLoReRuntime:
             all_zero = self.collective.all_reduce_max([0 if all_zero else 1])[0] == 0
         mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
         for frame in frames:
-            frame.elided_rows = set(zero)
             frame.skip_zero_recompute = all_zero and source == "analytic"
+            elides = frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions)
+            frame.elided_rows = set(zero) if elides else set()  # checked in _on_layer_grad
             for pos, unit in enumerate(frame.layer.units):
                 if frame.plan.actions[pos] == "R":
                     continue
@@ -318,20 +346,50 @@ class HiLoReRuntime:
                     frame.downgrade(pos, "E", zero)
                 norms = frame.token_norms[pos]
                 if norms is not None and norms.shape == abs_omega.shape:
-                    weights = exposure.token_weights(norms, _window(abs_omega, coefficients, offset))
+                    covered = exposure.window(abs_omega, coefficients.shape[1], offset)
+                    weights = exposure.token_weights(norms, covered)
                     mb.exposure[unit.name] = exposure.slice_exposure(abs_omega, weights)
         self._summarise(mb)
 
     def _on_hidden_grad(self, mb: _Microbatch, grad: torch.Tensor) -> None:
         """Automatic exposure source: fires after the LM-head backward, before any layer's."""
-        mb.hidden_grad_seen = True
         if self.config.exposure_source == "analytic":
             return
         if self.config.exposure_source == "auto" and mb.coefficients is not None:
             return
-        if grad.dim() != 3 or mb is not self._mb:
+        if grad.dim() == 3 and grad.shape[:2] == (mb.batch, mb.seq_len):
+            self._apply_exposure(mb, exposure.hidden_grad_norms(grad), 0, source="hidden_grad")
+
+    def _on_layer_grad(self, mb: _Microbatch, frame_ref, last: bool, grad: torch.Tensor) -> None:
+        """Gradient at a layer's output, before any of the layer's backward runs.
+
+        NOTE [ Checked elision ]: sequences are elided because the loss coefficients say their
+        gradient is zero; a loss with terms ω does not see (an entropy bonus, a loss on an
+        intermediate hidden state) breaks that. Each layer checks the gradient that actually
+        arrives: if an elided sequence gets any, the layer's units fall back to R (its inputs
+        are kept), which is exact.
+        """
+        if last:
+            self._on_hidden_grad(mb, grad)
+        frame = frame_ref()
+        if frame is None or not frame.elided_rows or grad.dim() < 2:
             return
-        self._apply_exposure(mb, exposure.hidden_grad_norms(grad), 0, source="hidden_grad")
+        rows = sorted(frame.elided_rows)
+        leaks = bool(grad.detach()[rows].abs().amax() > 0)
+        if frame.skip_zero_recompute and self.collective is not None:  # a collective decision
+            leaks = self.collective.all_reduce_max([int(leaks)])[0] > 0
+        if not leaks:
+            return
+        if not self._warned_leak:
+            logger.warning("ds_hilore: sequences with zero loss coefficients get gradient from other "
+                           "loss terms; their layers are recomputed instead (exact, slower). Hand "
+                           "the full loss's coefficients, or set exposure_source to 'hidden_grad'.")
+            self._warned_leak = True
+        frame.elided_rows = set()
+        frame.skip_zero_recompute = False
+        for pos, action in enumerate(frame.plan.actions):
+            if action != "R":
+                frame.downgrade(pos, "R")
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -369,7 +427,7 @@ class HiLoReRuntime:
     def _install(self) -> None:
         for layer in self._layers:
             module = layer.module
-            if _is_gc_layer(module):
+            if is_checkpointing_layer(module):
                 self._remember(module, "_gradient_checkpointing_func")
                 self._remember(module, "gradient_checkpointing")
                 module._gradient_checkpointing_func = _LayerCall(self, layer)
@@ -394,7 +452,7 @@ class HiLoReRuntime:
     def _switch(self, enable: bool) -> None:
         self._switched_on = enable
         for layer in self._layers:
-            if _is_gc_layer(layer.module):
+            if is_checkpointing_layer(layer.module):
                 layer.module.gradient_checkpointing = enable
                 layer.module._gradient_checkpointing_func = _LayerCall(self, layer)
 
@@ -407,21 +465,23 @@ class HiLoReRuntime:
         mb.frames[layer.index] = weakref.ref(frame)
         mb.last_layer = layer.index
         out = frame.run()
-        if layer.index == self._layers[-1].index:
-            self._summarise(mb)
-            self._watch_last_hidden(mb, out)
-        return out
-
-    def _watch_last_hidden(self, mb: _Microbatch, out) -> None:
+        last = layer.index == self._layers[-1].index
         hidden = out if isinstance(out, torch.Tensor) else next(
             (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
         if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(functools.partial(self._on_hidden_grad, mb))
+            hidden.register_hook(functools.partial(self._on_layer_grad, mb, weakref.ref(frame), last))
+            if last:
+                mb.last_hidden_fn = id(hidden.grad_fn)
+        if last:
+            mb.batch, mb.seq_len = frame.batch, frame.seq_len
+            self._summarise(mb)
+        return out
 
     def _microbatch_for(self, layer_index: int) -> _Microbatch:
         """A layer index not above the previous one starts a new forward: a new microbatch."""
         if self._mb is None or layer_index <= self._mb.last_layer:
             self._mb = _Microbatch(self._n_microbatches, self)
+            self._live_mbs.add(self._mb)
             self._n_microbatches += 1
             self._step.append(self._mb.summary)
             if len(self._step) > _MAX_MICROBATCHES_KEPT:
@@ -514,22 +574,6 @@ class HiLoReRuntime:
                     and torch.equal(flat[-n:], ref[-n:].to(base.dtype)))
 
 
-def _window(abs_omega: torch.Tensor, coefficients: torch.Tensor, offset: int | None) -> torch.Tensor:
-    """1 on the hidden positions ω covers, 0 elsewhere: (B, T)."""
-    covered = torch.zeros_like(abs_omega)
-    start = exposure.default_offset(abs_omega.shape[1], coefficients.shape[1]) if offset is None else offset
-    covered[:, start:start + coefficients.shape[1]] = 1.0
-    return covered
-
-
-def _is_gc_layer(module: nn.Module) -> bool:
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return False
-    return isinstance(module, GradientCheckpointingLayer)
-
-
 def _lookup(plan: Mapping[str, str] | str, name: str, default: str) -> str:
     if isinstance(plan, str):
         return plan
@@ -538,6 +582,14 @@ def _lookup(plan: Mapping[str, str] | str, name: str, default: str) -> str:
         if fnmatch.fnmatchcase(name, pattern):
             found = action
     return found
+
+
+def _check_coefficients(coefficients: torch.Tensor, frame: LayerFrame, offset: int | None) -> None:
+    if coefficients.shape[0] != frame.batch:
+        raise HiLoReError(f"{coefficients.shape[0]} sequences of coefficients, but the microbatch's "
+                          f"forward had {frame.batch}; pass those of the same microbatch (one row "
+                          "per sequence).")
+    exposure.align(coefficients[:0], frame.seq_len, offset)  # raises if ω does not fit
 
 
 def _sum_dicts(dicts) -> dict[str, int]:

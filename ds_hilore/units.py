@@ -75,7 +75,8 @@ def public_name(name: str) -> str:
     return name
 
 
-def _is_checkpointing_layer(module: nn.Module) -> bool:
+def is_checkpointing_layer(module: nn.Module) -> bool:
+    """A transformers decoder layer that calls its checkpoint function (``GradientCheckpointingLayer``)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # transformers without the base class: only layer_pattern works
@@ -92,7 +93,7 @@ def _layer_candidates(model: nn.Module, layer_pattern: str | None) -> list[tuple
         if layer_pattern is not None:
             if fnmatch.fnmatchcase(public, layer_pattern):
                 found.append((public, module))
-        elif _is_checkpointing_layer(module):
+        elif is_checkpointing_layer(module):
             found.append((public, module))
     # a matched layer nested in another matched layer (e.g. a too-broad glob) is not a layer
     names = [n for n, _ in found]

@@ -140,3 +140,53 @@ def test_policy_loss_finds_the_only_runtime_and_skips_evaluation():
         rt.detach()
     grpo.policy_loss(logp, logp.detach(), torch.tensor([0.0, 1.0]), mask).loss.backward()
     assert runtime.stats["microbatches"][-1]["exact_zero_sequences"] == 1
+
+
+@pytest.mark.parametrize("plan", ["H", "R"])
+def test_loss_terms_beyond_the_coefficients_fall_back_to_recompute(plan, caplog):
+    # an entropy bonus reaches sequences whose GRPO coefficients are zero: elision must not hold
+    inputs = batch(batch_size=4, seq=16)
+    advantages = torch.tensor([0.0, 1.3, 0.0, -0.7]) if plan == "H" else torch.zeros(4)
+
+    def loss_with_entropy(model):
+        torch.manual_seed(5)
+        logits = model(**inputs).logits.float()
+        logp = logits[:, :-1].log_softmax(-1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
+        mask = inputs["attention_mask"][:, 1:].float()
+        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+        return grpo.policy_loss(logp, logp.detach(), advantages, mask, model=model).loss - 0.01 * entropy
+
+    reference = tiny_model("llama", layers=2)
+    loss_with_entropy(reference).backward()
+    model = tiny_model("llama", layers=2)
+    runtime = ds_hilore.attach(model, dict(EXACT, force_plan=plan))
+    loss_with_entropy(model).backward()
+    runtime.end_step()
+    ref, got = _grads(reference), _grads(model)
+    assert [n for n in ref if not torch.equal(ref[n], got[n])] == []
+    assert "get gradient from other loss terms" in caplog.text
+    assert runtime.stats["recomputed_units"] == 4  # every layer fell back to R
+
+
+def test_coefficients_go_to_the_forward_their_log_probs_came_from():
+    inputs = batch(batch_size=4, seq=16)
+    other = batch(batch_size=4, seq=16, seed=3)
+    advantages = torch.tensor([0.0, 1.3, 0.0, -0.7])
+
+    def two_forwards(model):
+        torch.manual_seed(5)
+        logits = model(**inputs).logits.float()
+        extra = model(**other).logits.float().square().mean()  # a second forward with gradients
+        logp = logits[:, :-1].log_softmax(-1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
+        mask = inputs["attention_mask"][:, 1:].float()
+        return grpo.policy_loss(logp, logp.detach(), advantages, mask, model=model).loss + extra
+
+    reference = tiny_model("llama", layers=2)
+    two_forwards(reference).backward()
+    model = tiny_model("llama", layers=2)
+    runtime = ds_hilore.attach(model, dict(EXACT, force_plan="H"))
+    two_forwards(model).backward()
+    runtime.end_step()
+    assert [m["exact_zero_sequences"] for m in runtime.stats["microbatches"]] == [2, 0]
+    ref, got = _grads(reference), _grads(model)
+    assert [n for n in ref if not torch.equal(ref[n], got[n])] == []
