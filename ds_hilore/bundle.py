@@ -4,7 +4,7 @@ NOTE [ Layer frames ]
 Each call of a decoder layer with gradients on gets a ``LayerFrame``. The layer runs under a
 ``saved_tensors_hooks`` pair; every tensor autograd saves goes through ``LayerFrame._pack``,
 which attributes it to the sub-block (unit) whose child module is executing and returns a
-``_Slot`` handle:
+``Slot`` handle:
 
 * weights are never captured (DESIGN.md §4 rule 1): a trainable weight, a view of one, a
   frozen (LoRA base) weight or an autocast cast of a weight becomes a ``_WeightRef`` that
@@ -13,7 +13,8 @@ which attributes it to the sub-block (unit) whose child module is executing and 
   anyway, exactly as gradient checkpointing retains them (rule 2);
 * activations of an ``H`` unit are kept as they are, of an ``L`` unit packed per sequence, of an
   ``R`` unit dropped. Exposure may split a unit per sequence: row blocks kept ``H``, packed
-  ``L`` or elided ``E`` (a sequence whose loss coefficients are all zero: NOTE [ Exact zeros ]).
+  ``L`` or elided ``E`` (a sequence whose loss coefficients are all zero; NOTE [ Exact zeros ]
+  in storage.py).
 
 On backward, the first unpack of an empty slot re-runs the layer from its inputs with the
 forward's RNG and autocast state (NOTE [ Recompute ]).
@@ -35,7 +36,6 @@ against the forward's shapes and dtypes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 import weakref
@@ -43,30 +43,13 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._errors import HiLoReError, bug
 from .exposure import input_norms
+from .storage import (ACT, FLOAT_DTYPES, INPUT, MIN_PACK_GROUP, WEIGHT, Slot, Stored, row_block,
+                      stand_in_value)
 from .units import LayerUnits
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# A packed group costs its payload plus one fp32 scale: narrower rows (a norm's (B, T, 1) rstd)
-# would grow when "compressed". 16 keeps int8 and fp8 below a bf16 original by 1.6x or more.
-_MIN_PACK_GROUP = 16
-
-# NOTE [ Exact zeros ]
-# A sequence whose loss coefficients are all exactly zero receives exactly zero gradient at
-# every position of every layer (causal attention never mixes sequences), so its saved values
-# only ever meet zeros in backward: any finite stand-in gives bitwise-equal parameter
-# gradients. The stand-in is 1 for floats, not 0: backward formulas that divide by a saved
-# value (sqrt, division, negative powers) would turn 0 / 0 into NaN, and 0 · NaN stays NaN.
-# Integer and bool tensors get 0 (always a valid index). Whole-microbatch elision skips the
-# recompute only when every rank agrees, or ZeRO-3's collectives would diverge.
-
-
-def _stand_in_value(dtype: torch.dtype):
-    return 1 if dtype.is_floating_point else 0
 
 
 class _StopRecompute(Exception):
@@ -108,248 +91,6 @@ def _replay_autocast(state, cache_enabled: bool):
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
                                                cache_enabled=cache_enabled))
         yield
-
-
-# --------------------------------------------------------------------------- slots and storage
-
-class WeightRef:
-    """A parameter (or a view or autocast cast of one) referenced, never copied (rule 1)."""
-
-    __slots__ = ("param", "dtype", "size", "stride", "offset")
-
-    def __init__(self, param: nn.Parameter, dtype: torch.dtype | None, t: torch.Tensor):
-        self.param, self.dtype = param, dtype
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-
-    def get(self) -> torch.Tensor:
-        w = self.param.detach()
-        if self.dtype is not None and w.dtype != self.dtype:
-            w = w.to(self.dtype)  # same cast autocast made in forward: bitwise equal
-        return w.as_strided(self.size, self.stride, self.offset)
-
-
-_WEIGHT, _INPUT, _ACT = 0, 1, 2
-
-
-class Counters:
-    """What the frames of one microbatch measured (added up as they run)."""
-
-    __slots__ = ("pack_s", "unpack_s", "recompute_s", "recomputed_units", "nonfinite_slices",
-                 "rel_errors")
-
-    def __init__(self):
-        self.pack_s = self.unpack_s = self.recompute_s = 0.0  # seconds
-        self.recomputed_units = self.nonfinite_slices = 0
-        self.rel_errors: list[float] = []  # relative L2 error of each packed slice
-
-
-class _Slot:
-    """The handle autograd keeps for one saved tensor."""
-
-    __slots__ = ("frame", "pos", "kind", "ref", "weight", "stored", "view", "consumed", "__weakref__")
-
-    def __init__(self, frame: "LayerFrame", pos: int, kind: int):
-        self.frame, self.pos, self.kind = frame, pos, kind
-        self.ref = self.weight = self.stored = self.view = None
-        self.consumed = False
-
-    def empty(self) -> bool:
-        return self.kind == _ACT and self.ref is None and self.stored is None
-
-    def take(self) -> torch.Tensor | None:
-        """The saved value, dropped from the slot (it is unpacked once per backward)."""
-        if self.ref is not None:
-            t, self.ref = self.ref, None
-        elif self.stored is not None:
-            t = self.stored.view(self.view)
-        else:
-            return None
-        if self.stored is not None:
-            self.stored.release()
-            self.stored = None
-        self.consumed = True
-        return t
-
-
-class PackedRows:
-    """Sequences ``start .. stop - 1`` of a storage packed by one codec call (per-token scales
-    keep the rows independent: one call per run of sequences instead of one per sequence)."""
-
-    __slots__ = ("packed", "start", "stop")
-
-    def __init__(self, packed, start: int, stop: int):
-        self.packed, self.start, self.stop = packed, start, stop
-
-
-class Stored:
-    """One activation storage kept by a unit: whole, or as per-sequence row blocks.
-
-    Whole: the tensors saved by forward are referenced as they are (bitwise exact, no copy).
-    Rows: ``parts[i]`` is a tensor copy (H), a ``PackedRows`` shared by a run of sequences (L),
-    or None (E: a stand-in).
-    """
-
-    __slots__ = ("base", "rows", "block", "group", "parts", "pending", "slots", "buffer", "nbytes",
-                 "dtype", "device", "codec", "packable", "weak", "counters")
-
-    def __init__(self, t: torch.Tensor, rows: int, block: int | None, group: int, codec,
-                 packable: bool, counters: "Counters"):
-        self.packable, self.counters = packable, counters
-        self.base = t.detach().as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
-        self.rows, self.block, self.group, self.codec = rows, block, group, codec
-        self.parts: list | None = None
-        self.pending = 0
-        self.slots: list = []  # weak refs of the slots holding a whole reference
-        self.buffer = None
-        self.nbytes = t.untyped_storage().nbytes()  # bytes
-        self.dtype, self.device = t.dtype, t.device
-        self.weak = StorageWeakRef(t.untyped_storage())
-
-    @property
-    def sliceable(self) -> bool:
-        return self.block is not None
-
-    def attach(self, slot: _Slot, t: torch.Tensor) -> None:
-        self.pending += 1
-        slot.stored = self
-        slot.view = (t.size(), t.stride(), t.storage_offset())
-        if self.parts is None:
-            slot.ref = t.detach()  # an alias: no copy, and no reference cycle through grad_fn
-            self.slots.append(weakref.ref(slot))
-
-    def release(self) -> None:
-        self.pending -= 1
-        if self.pending <= 0:
-            self.base = self.parts = self.buffer = None
-
-    def row_states(self) -> list[str]:
-        if self.parts is None:
-            return ["H"] * self.rows
-        return ["E" if p is None else "H" if isinstance(p, torch.Tensor) else "L" for p in self.parts]
-
-    def set_rows(self, rows, action: str) -> None:
-        """Move the given sequences to L (pack) or E (drop); frees their bytes at once."""
-        if not self.sliceable or (self.parts is None and self.base is None):
-            return
-        target = sorted(set(rows))
-        if self.parts is None:  # split: sequences that stay H are copied out, the rest packed
-            blocks = self.base.view(self.rows, self.block)  # (B, block)
-            parts = [None if i in target else blocks[i].clone() for i in range(self.rows)]
-            if action == "L":
-                for start, stop in _runs(target):
-                    self._pack_run(blocks[start:stop], start, parts)
-            for ref in self.slots:
-                slot = ref()
-                if slot is not None:
-                    slot.ref = None
-            self.slots.clear()
-            self.parts, self.base = parts, None
-            return
-        if action == "E":
-            runs = {id(p): p for i in target if isinstance(p := self.parts[i], PackedRows)}
-            for i in target:
-                self.parts[i] = None
-            for run in runs.values():  # re-cut the runs so the elided rows' bytes are freed
-                keep = [i for i in range(run.start, run.stop) if self.parts[i] is run]
-                for start, stop in _runs(keep):
-                    self.parts[start:stop] = [self._sub_run(run, start, stop)] * (stop - start)
-            return
-        for i in target:
-            if action == "L" and isinstance(self.parts[i], torch.Tensor):
-                self._pack_run(self.parts[i].view(1, -1), i, self.parts)
-
-    def _sub_run(self, run: PackedRows, start: int, stop: int) -> PackedRows:
-        """Sequences start .. stop - 1 of ``run`` as a run of their own (rows copied, not re-coded:
-        per-token and per-block scales keep every row independent)."""
-        per_seq = run.packed.shape[0] // (run.stop - run.start)  # packed rows per sequence
-        lo, hi = (start - run.start) * per_seq, (stop - run.start) * per_seq
-        payload, scales = run.packed.payload[lo:hi].clone(), run.packed.scales[lo:hi].clone()
-        packed = dataclasses.replace(run.packed, payload=payload, scales=scales,
-                                     shape=(hi - lo, run.packed.shape[1]),
-                                     nbytes=payload.untyped_storage().nbytes()
-                                     + scales.untyped_storage().nbytes())
-        return PackedRows(packed, start, stop)
-
-    def _pack_run(self, rows: torch.Tensor, start: int, parts: list) -> None:
-        """Pack sequences ``start ..`` (rows: (n, block), contiguous) into ``parts``."""
-        begin = time.perf_counter()
-        packed = self.codec.pack(rows.view(-1, self.group))  # (tokens, features)
-        self.counters.pack_s += time.perf_counter() - begin
-        if packed is not None:
-            run = PackedRows(packed, start, start + rows.shape[0])
-            parts[start:run.stop] = [run] * rows.shape[0]
-            self.counters.rel_errors.append(float(packed.rel_error))
-        elif rows.shape[0] > 1:  # non-finite somewhere: find the sequence, pack the others
-            for k in range(rows.shape[0]):
-                self._pack_run(rows[k:k + 1], start + k, parts)
-        else:  # this sequence stays exact; its non-finite values are never propagated
-            self.counters.nonfinite_slices += 1
-            parts[start] = rows[0].clone()
-
-    def view(self, spec) -> torch.Tensor:
-        if self.parts is None:
-            return self.base.as_strided(*spec)
-        if self.buffer is None:
-            start = time.perf_counter()
-            buffer = torch.empty(self.rows * self.block, dtype=self.dtype, device=self.device)
-            blocks = buffer.view(self.rows, self.block)  # (B, block)
-            for run in {id(p): p for p in self.parts if isinstance(p, PackedRows)}.values():
-                # each run decoded once, straight into place
-                self.codec.unpack(run.packed, out=blocks[run.start:run.stop].view(-1, self.group))
-            for i, part in enumerate(self.parts):
-                if part is None:
-                    blocks[i].fill_(_stand_in_value(self.dtype))
-                elif isinstance(part, torch.Tensor):
-                    blocks[i].copy_(part)
-            self.buffer = buffer
-            self.counters.unpack_s += time.perf_counter() - start
-        return self.buffer.as_strided(*spec)
-
-    def bytes_by_action(self) -> dict[str, int]:
-        """Bytes held now, by the action of the row blocks holding them."""
-        if self.parts is None:
-            return {"H": self.nbytes if self.base is not None else 0}
-        out = {"H": 0, "L": 0}
-        for p in self.parts:
-            if isinstance(p, torch.Tensor):
-                out["H"] += p.untyped_storage().nbytes()
-        out["L"] = sum(run.packed.nbytes for run in {id(p): p for p in self.parts
-                                                      if isinstance(p, PackedRows)}.values())
-        return out
-
-
-def _runs(indices: list[int]):
-    """Sorted indices as (start, stop) runs of consecutive values."""
-    start = prev = None
-    for i in indices:
-        if start is None:
-            start = prev = i
-        elif i == prev + 1:
-            prev = i
-        else:
-            yield start, prev + 1
-            start = prev = i
-    if start is not None:
-        yield start, prev + 1
-
-
-def row_block(t: torch.Tensor, rows: int) -> int | None:
-    """Elements per sequence when ``t``'s storage splits into ``rows`` contiguous per-sequence blocks.
-
-    True for every activation of a decoder layer: dim 0 is B, or B·T for flattened linear
-    inputs, and dim 0 is outermost in memory (DESIGN.md §4). None otherwise (broadcast rotary
-    tables, masks, scalars): such tensors are kept whole.
-    """
-    if t.dim() == 0 or rows <= 0 or t.shape[0] % rows:
-        return None
-    numel = t.untyped_storage().nbytes() // t.element_size()
-    if numel % rows or numel * t.element_size() != t.untyped_storage().nbytes():
-        return None
-    block = numel // rows
-    if t.stride(0) * (t.shape[0] // rows) != block:
-        return None
-    extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:]) if n > 0)
-    return block if extent < t.stride(0) else None
 
 
 def _spec(output):
@@ -440,7 +181,7 @@ class LayerFrame:
         n = len(layer.units)
         self.current = 0
         self.recomputing = False
-        self.slots: list[list] = [[] for _ in range(n)]  # weak refs of _Slot, pack order
+        self.slots: list[list] = [[] for _ in range(n)]  # weak refs of Slot, pack order
         self.shapes: list[list] = [[] for _ in range(n)]  # (shape, dtype) per slot
         self.stored: list[list[Stored]] = [[] for _ in range(n)]  # every storage a unit keeps
         self._by_ptr: list[dict[int, Stored]] = [{} for _ in range(n)]  # dedupe (rule 4)
@@ -525,18 +266,18 @@ class LayerFrame:
             rng = RngState(self.device_type)
             self.ff_rng[pos] = self.unit_rng[pos] if rng.same_as(self.unit_rng[pos]) else rng
 
-    def _pack(self, t: torch.Tensor) -> _Slot:
+    def _pack(self, t: torch.Tensor) -> Slot:
         pos = self.current
         self.shapes[pos].append((t.shape, t.dtype))
         weight = self.ctx.weight_ref(t, self.layer.module)
         if weight is not None:
-            slot = _Slot(self, pos, _WEIGHT)
+            slot = Slot(self, pos, WEIGHT)
             slot.weight = weight
         elif t.untyped_storage().data_ptr() in self.input_ptrs:
-            slot = _Slot(self, pos, _INPUT)
+            slot = Slot(self, pos, INPUT)
             slot.ref = t.detach()
         else:
-            slot = _Slot(self, pos, _ACT)
+            slot = Slot(self, pos, ACT)
             if self.plan.actions[pos] != "R":
                 self._store(pos, t).attach(slot, t)
         self.slots[pos].append(weakref.ref(slot))
@@ -549,9 +290,9 @@ class LayerFrame:
             return stored
         block = row_block(t, self.batch)
         group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
-        packable = (block is not None and t.dtype in _FLOAT_DTYPES and ptr not in self.boundary
+        packable = (block is not None and t.dtype in FLOAT_DTYPES and ptr not in self.boundary
                     and block >= self.ctx.min_pack_numel and self.ctx.codec is not None
-                    and group >= _MIN_PACK_GROUP)
+                    and group >= MIN_PACK_GROUP)
         stored = Stored(t, self.batch, block, group or 1, self.ctx.codec, packable, self.ctx.counters)
         self._by_ptr[pos][ptr] = stored  # an address reused after free gets a new entry
         self.stored[pos].append(stored)
@@ -568,7 +309,7 @@ class LayerFrame:
         if action == "R":
             for ref in self.slots[pos]:
                 slot = ref()
-                if slot is not None and slot.kind == _ACT and slot.stored is not None:
+                if slot is not None and slot.kind == ACT and slot.stored is not None:
                     slot.stored.release()
                     slot.ref = slot.stored = None
             self.stored[pos].clear()
@@ -597,16 +338,16 @@ class LayerFrame:
         return action, total
 
     # ------------------------------------------------------------------ backward
-    def _unpack(self, slot: _Slot) -> torch.Tensor:
-        if slot.kind == _WEIGHT:
+    def _unpack(self, slot: Slot) -> torch.Tensor:
+        if slot.kind == WEIGHT:
             return slot.weight.get()
-        if slot.kind == _INPUT:
+        if slot.kind == INPUT:
             return slot.ref
         t = slot.take()
         if t is None and self.skip_zero_recompute:
             shape, dtype = self.shapes[slot.pos][self._index(slot)]
             slot.consumed = True
-            return torch.full(shape, _stand_in_value(dtype), dtype=dtype, device=self.args[0].device)
+            return torch.full(shape, stand_in_value(dtype), dtype=dtype, device=self.args[0].device)
         if t is None:
             self._recompute(slot.pos)
             t = slot.take()
@@ -614,7 +355,7 @@ class LayerFrame:
                 raise bug(f"saved tensor of {self.layer.units[slot.pos].name} not regenerated")
         return t
 
-    def _index(self, slot: _Slot) -> int:
+    def _index(self, slot: Slot) -> int:
         return next(k for k, ref in enumerate(self.slots[slot.pos]) if ref() is slot)
 
     def _recompute(self, trigger: int) -> None:

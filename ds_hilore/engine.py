@@ -24,7 +24,6 @@ With ``"hilore": {"enabled": false}`` (or no ``"hilore"`` block) ``initialize`` 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Any, Mapping, Optional
 

@@ -28,7 +28,8 @@ import torch.nn as nn
 from . import exposure
 from ._errors import HiLoReError
 from .codecs import codec_from_config
-from .bundle import CapturePlan, Counters, LayerFrame, WeightRef
+from .bundle import CapturePlan, LayerFrame
+from .storage import Counters, WeightRef
 from .config import HiLoReConfig
 from .units import UNIT_KINDS, LayerUnits, Unit, find_units, is_checkpointing_layer
 
@@ -279,7 +280,7 @@ class HiLoReRuntime:
         ``logits[:, :-1]`` / ``logits_to_keep`` log-probs come from. ``logp`` (the log-probs ω
         was computed from) names the microbatch when several forwards are alive; without it,
         the latest forward is meant. Sequences whose ω is exactly zero are elided from every H/L
-        unit (NOTE [ Exact zeros ] in bundle.py); exposure is computed per unit and sequence.
+        unit (NOTE [ Exact zeros ] in storage.py); exposure is computed per unit and sequence.
         ``ds_hilore.grpo.policy_loss`` calls this by itself.
         """
         if coefficients.dim() != 2:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ds_hilore
-from ds_hilore.bundle import Counters, Stored
+from ds_hilore.storage import Counters, Stored
 from ds_hilore.codecs import get_codec
 from ds_hilore.memory import LiveStorages
 from models import batch, loss_and_grads, tiny_model
