@@ -7,7 +7,7 @@ which attributes it to the sub-block (unit) whose child module is executing and 
 ``Slot`` handle:
 
 * weights are never captured (DESIGN.md §4 rule 1): a trainable weight, a view of one, a
-  frozen (LoRA base) weight or an autocast cast of a weight becomes a ``_WeightRef`` that
+  frozen (LoRA base) weight or an autocast cast of a weight becomes a ``WeightRef`` that
   rebuilds the tensor from the parameter on unpack;
 * tensors sharing storage with the layer's inputs are referenced: the inputs are retained
   anyway, exactly as gradient checkpointing retains them (rule 2);
