@@ -385,30 +385,29 @@ def _exact_under_every_plan(model, config, inputs=None):
     return runtime
 
 
+def _eager_lm(name: str, **config):
+    """A small transformers causal LM (``name`` as in ``transformers.<name>ForCausalLM``)."""
+    import transformers
+    cfg = getattr(transformers, f"{name}Config")(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=4, max_position_embeddings=64,
+                                                 **config)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(cfg).train()
+
+
 def test_dropout_in_the_layer_body_between_units():
     # OPT draws a dropout in the layer's own code after the attention: a fast-forwarded
     # attention must leave the RNG where the forward left it
-    import transformers
-    config = transformers.OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
-                                    num_attention_heads=4, max_position_embeddings=64,
-                                    word_embed_proj_dim=32, dropout=0.1, attention_dropout=0.1)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.OPTForCausalLM(config).train()
+    model = _eager_lm("OPT", ffn_dim=64, word_embed_proj_dim=32, dropout=0.1, attention_dropout=0.1)
     _exact_under_every_plan(model, {"attn_children": ["self_attn_layer_norm", "self_attn"],
                                     "mlp_children": ["final_layer_norm", "fc1", "activation_fn", "fc2"]})
 
 
 def test_parallel_block_sharing_a_norm_is_rerun_not_fast_forwarded():
     # Cohere's MLP reads the output of input_layernorm, a child of the attention unit
-    import transformers
-    config = transformers.CohereConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                       intermediate_size=64, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=64,
-                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.CohereForCausalLM(config).train()
+    model = _eager_lm("Cohere", intermediate_size=64, num_key_value_heads=2, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
     _exact_under_every_plan(model, {"attn_children": ["input_layernorm", "self_attn"],
                                     "mlp_children": ["mlp"]})
 
