@@ -52,40 +52,43 @@ from .storage import (ACT, FLOAT_DTYPES, INPUT, MIN_PACK_GROUP, WEIGHT, Slot, St
 from .units import LayerUnits
 
 
-class _StopRecompute(Exception):
-    """Raised by a stand-in module once every unit being recomputed has been regenerated."""
+class StopReplay(Exception):
+    """Raised inside a re-run once everything it was run for has been regenerated."""
 
 
 # --------------------------------------------------------------------------- RNG and autocast
 
 class RngState:
-    """The CPU RNG stream and the layer's device stream, captured together."""
+    """The CPU RNG stream and the stream of the hidden state's device, captured together."""
 
-    __slots__ = ("cpu", "device_type", "device")
+    __slots__ = ("cpu", "where", "device")
 
-    def __init__(self, device_type: str):
+    def __init__(self, where: torch.device | str):
+        self.where = torch.device(where)
         self.cpu = torch.get_rng_state()
-        self.device_type = device_type
-        self.device = (torch.get_device_module(device_type).get_rng_state()
-                       if device_type not in ("cpu", "meta") else None)
+        self.device = None
+        if self.where.type not in ("cpu", "meta"):
+            module = torch.get_device_module(self.where.type)
+            index = self.where.index if self.where.index is not None else module.current_device()
+            self.device = (index, module.get_rng_state(index))
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.device is not None:
-            torch.get_device_module(self.device_type).set_rng_state(self.device)
+            torch.get_device_module(self.where.type).set_rng_state(self.device[1], self.device[0])
 
     def same_as(self, other: "RngState") -> bool:
         return torch.equal(self.cpu, other.cpu) and (
-            self.device is None or torch.equal(self.device, other.device))
+            self.device is None or torch.equal(self.device[1], other.device[1]))
 
 
-def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+def autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
             for d in dict.fromkeys(("cpu", device_type))]
 
 
 @contextlib.contextmanager
-def _replay_autocast(state, cache_enabled: bool):
+def replay_autocast(state, cache_enabled: bool):
     with contextlib.ExitStack() as stack:
         for device_type, enabled, dtype in state:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
@@ -93,17 +96,20 @@ def _replay_autocast(state, cache_enabled: bool):
         yield
 
 
-def _spec(output):
-    """Shapes of a module output, to build placeholders of it (NOTE [ Recompute ])."""
-    return tree_map(lambda x: (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x,
-                    output)
+# --------------------------------------------------------------------------- re-runs
+
+def placeholder(x) -> torch.Tensor:
+    """A stand-in for a fast-forwarded output nobody may read: NaN (integers: their minimum),
+    so that any wrong use shows instead of silently computing with zeros. ``x``: a tensor or
+    its (shape, dtype, device) spec."""
+    shape, dtype, device = (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
+    value = (float("nan") if dtype.is_floating_point or dtype.is_complex else
+             False if dtype == torch.bool else torch.iinfo(dtype).min)
+    return torch.full((), value, dtype=dtype, device=device).expand(shape)
 
 
-def _placeholder(spec):
-    return tree_map(lambda x: torch.zeros((), dtype=x[1], device=x[2]).expand(x[0])
-                    if isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], torch.dtype) else x,
-                    spec, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3
-                    and isinstance(x[1], torch.dtype))
+def _spec(x):
+    return (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
 
 
 def _detach_like(output):
@@ -111,44 +117,101 @@ def _detach_like(output):
                     if isinstance(x, torch.Tensor) else x, output)
 
 
-def _fast_forward_value(output):
-    """What a fast-forwarded unit hands on: the first tensor of its last child's output.
+class FastForward:
+    """What a fast-forwarded child call hands on in a re-run (NOTE [ Recompute ]): the outputs
+    in the split's cut, NaN placeholders for the rest, and the RNG state at the call's exit."""
 
-    Attention modules return ``(output, weights)`` and decoder layers use only the first
-    element; keeping the weights would hold a (B, heads, T, T) tensor alive for nothing. The
-    other tensors become placeholders (NOTE [ Recompute ]).
-    """
-    leaves, spec = tree_flatten(output)
-    first = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)), None)
-    leaves = [x.detach().requires_grad_(x.requires_grad) if i == first else _spec(x)
-              for i, x in enumerate(leaves)]
-    return leaves[first] if first is not None else None, (leaves, spec)
+    __slots__ = ("leaves", "spec", "rng")
+
+    def __init__(self, output, call: int, cut, rng: RngState | None):
+        leaves, self.spec = tree_flatten(output)
+        self.leaves = [x.detach().requires_grad_(x.requires_grad) if (call, i) in cut else _spec(x)
+                       if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)]
+        self.rng = rng
+
+    def __call__(self):
+        if self.rng is not None:
+            self.rng.restore()
+        return tree_unflatten([placeholder(x) if _is_spec(x) else x for x in self.leaves], self.spec)
+
+    def nbytes(self) -> int:
+        return sum(x.untyped_storage().nbytes() for x in self.leaves if isinstance(x, torch.Tensor))
 
 
-def _from_fast_forward(value):
-    leaves, spec = value[1]
-    return tree_unflatten([x if isinstance(x, torch.Tensor) else _placeholder(x) for x in leaves], spec)
+def _is_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], torch.dtype)
 
 
-class _StandIn(nn.Module):
-    """Replaces a child module of a fast-forwarded unit during a re-run; no hooks run."""
+class _Router(nn.Module):
+    """Takes a child's place during a re-run; routes each call by its position (``Replay``)."""
 
-    def __init__(self, make_output: Callable[[], Any]):
+    def __init__(self, replay: "Replay", name: str, original: nn.Module):
         super().__init__()
-        self.make_output = make_output
+        self.replay, self.name = replay, name
+        self.__dict__["original"] = original  # not a submodule: no second registration
 
     def forward(self, *args, **kwargs):
-        return self.make_output()
+        return self.replay.route(self.name, self.original, args, kwargs)
 
 
-def _stop():
-    raise _StopRecompute
+class Replay:
+    """One re-run of a decoder layer from its inputs (NOTE [ Recompute ]).
 
+    Every child is routed by call position: a call in ``skip`` returns ``skip[call]()`` (a
+    fast-forward), a call at or after ``stop_call`` ends the re-run, any other call runs.
+    ``on_save(segment, tensor)`` sees every tensor the re-run saves (segments as in units.py)
+    and raises ``StopReplay`` when it has what it needs: the re-run stops inside that op, as
+    torch's non-reentrant checkpoint does -- running on to the end of the module would fire
+    its post-forward hooks, and ZeRO-3's would release the parameters the backward just
+    gathered. The training RNG stream is left where it was.
+    """
 
-def _fast_forward_exit(value, rng: "RngState | None"):
-    if rng is not None:
-        rng.restore()
-    return _from_fast_forward(value)
+    def __init__(self, module: nn.Module, calls: tuple[str, ...], skip: dict[int, Callable],
+                 on_save: Callable[[int, torch.Tensor], None], stop_call: int | None = None):
+        self.module, self.calls, self.skip, self.on_save = module, calls, skip, on_save
+        self.stop_call = stop_call
+        self.call = 0
+        self.segment = 0
+
+    def run(self, fn: Callable, args: tuple, rng: RngState) -> None:
+        args = tuple(_detach_like(a) for a in args)
+        if isinstance(fn, functools.partial) and fn.keywords:  # detach keyword tensors too
+            fn = functools.partial(fn.func, *fn.args, **_detach_like(fn.keywords))
+        outer = RngState(rng.where)
+        swapped = dict(self.module._modules)
+        try:
+            for name, child in swapped.items():
+                if child is not None:
+                    self.module._modules[name] = _Router(self, name, child)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, _never_unpacked):
+                rng.restore()
+                try:
+                    fn(*args)
+                except StopReplay:
+                    pass
+        finally:
+            self.module._modules.update(swapped)
+            outer.restore()
+
+    def route(self, name: str, original: nn.Module, args, kwargs):
+        call = self.call
+        self.call += 1
+        if call >= len(self.calls) or self.calls[call] != name:
+            raise HiLoReError(f"a re-run of {type(self.module).__name__} called {name!r} as call "
+                              f"{call}, the forward called {list(self.calls)}")
+        if self.stop_call is not None and call >= self.stop_call:
+            raise StopReplay
+        if call in self.skip:
+            out = self.skip[call]()
+        else:
+            self.segment = 2 * call + 1
+            out = original(*args, **kwargs)
+        self.segment = 2 * call + 2
+        return out
+
+    def _pack(self, t: torch.Tensor) -> None:
+        self.on_save(self.segment, t)
+        return None
 
 
 class CapturePlan:
@@ -164,51 +227,69 @@ class CapturePlan:
         return self.actions[pos] != "R" and "R" in self.actions[pos + 1:]
 
 
+def hidden_input(args: tuple, keywords: dict) -> torch.Tensor:
+    """The hidden states of a layer call: first positional tensor, else ``hidden_states=``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    if isinstance(keywords.get("hidden_states"), torch.Tensor):
+        return keywords["hidden_states"]
+    tensors = [x for x in tree_flatten((args, keywords))[0] if isinstance(x, torch.Tensor)]
+    if not tensors:
+        raise HiLoReError("a decoder layer was called without any tensor argument")
+    return tensors[0]
+
+
+class _Unit:
+    """Per-unit state of one layer call: slots, what it stores, what a re-run needs."""
+
+    __slots__ = ("slots", "shapes", "stored", "by_ptr", "token_norms", "rc_count")
+
+    def __init__(self):
+        self.slots: list = []  # weak refs of Slot, pack order
+        self.shapes: list = []  # (shape, dtype) per slot
+        self.stored: list[Stored] = []  # every storage the unit keeps
+        self.by_ptr: dict[int, Stored] = {}  # dedupe (rule 4)
+        self.token_norms: torch.Tensor | None = None  # (B, T) unit-input norms, for exposure
+        self.rc_count = 0  # tensors saved so far by the current re-run
+
+
 class LayerFrame:
     """One decoder-layer call with gradients: inputs, RNG/autocast state and saved-tensor slots."""
 
     def __init__(self, layer: LayerUnits, fn: Callable, args: tuple, plan: CapturePlan, ctx):
-        self.layer, self.fn, self.args, self.plan, self.ctx = layer, fn, args, plan, ctx
-        inputs = [x for x in tree_flatten((args, getattr(fn, "keywords", {})))[0]
-                  if isinstance(x, torch.Tensor)]
-        self.input_ptrs = {x.untyped_storage().data_ptr() for x in inputs}
+        self.layer, self.split, self.fn, self.args, self.plan, self.ctx = \
+            layer, layer.split, fn, args, plan, ctx
         keywords = getattr(fn, "keywords", {})
-        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else \
-            keywords.get("hidden_states", inputs[0])
+        inputs = [x for x in tree_flatten((args, keywords))[0] if isinstance(x, torch.Tensor)]
+        self.input_ptrs = {x.untyped_storage().data_ptr() for x in inputs}
+        hidden = hidden_input(args, keywords)
         self.batch = hidden.shape[0]
         self.seq_len = hidden.shape[1] if hidden.dim() >= 2 else 1
-        self.device_type = hidden.device.type
-        n = len(layer.units)
+        self.device = hidden.device
+        self.units = [_Unit() for _ in layer.units]
         self.current = 0
-        self.recomputing = False
-        self.slots: list[list] = [[] for _ in range(n)]  # weak refs of Slot, pack order
-        self.shapes: list[list] = [[] for _ in range(n)]  # (shape, dtype) per slot
-        self.stored: list[list[Stored]] = [[] for _ in range(n)]  # every storage a unit keeps
-        self._by_ptr: list[dict[int, Stored]] = [{} for _ in range(n)]  # dedupe (rule 4)
+        self.depth = 0
+        self.entered: set[int] = set()  # units whose first call has run
+        self.calls: list[str] = []  # child calls of this forward, in order
+        self.follows = True  # the calls match discovery's: fast-forward is allowed
         self.boundary: set[int] = set()  # storages entering a unit: never packed (rule 2)
-        self.unit_rng: list[RngState | None] = [None] * n
-        self.ff_out: list[Any] = [None] * n  # unit output cached for fast-forward
-        self.ff_rng: list[RngState | None] = [None] * n  # RNG state at that unit's exit
-        self.child_outputs: dict[int, str] = {}  # storage ptr -> child whose output it is
-        self.consumed: set[str] = set()  # children whose output a later unit reads
-        self.out_specs: dict[str, Any] = {}
-        self.child_order: list[str] = []
-        self.rc_counts = [0] * n
+        self.ff: dict[int, FastForward] = {}  # call -> what a fast-forward of it hands on
         self.rc_need: set[int] = set()
-        self.token_norms: list[torch.Tensor | None] = [None] * n  # (B, T) unit-input norms
         for unit, rows in zip(layer.units, plan.rows):
             if rows is not None and len(rows) != self.batch:
                 raise HiLoReError(f"per-sequence plan of {unit.name} has {len(rows)} entries, but "
                                   f"this microbatch has {self.batch} sequences; set_plan(rows=...) "
                                   "must give one action per sequence of the next microbatch.")
         self.elided_rows: set[int] = set()  # sequences with zero loss coefficients
+        self.elision_ok = True  # gradient enters only through the output (runtime decides)
+        self.elision_checked = False  # _on_layer_grad checks elided rows (same on every rank)
         self.skip_zero_recompute = False  # every rank agreed: all sequences elided
 
     # ------------------------------------------------------------------ forward
     def run(self):
         """The layer's forward under capture."""
-        self.rng = RngState(self.device_type)
-        self.autocast = _autocast_state(self.device_type)
+        self.rng = RngState(self.device)
+        self.autocast = autocast_state(self.device.type)
         self.autocast_cache = torch.is_autocast_cache_enabled()
         with self._child_hooks(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.fn(*self.args)
@@ -219,8 +300,7 @@ class LayerFrame:
         for name, child in self.layer.module.named_children():
             handles.append(child.register_forward_pre_hook(
                 lambda m, a, k, name=name: self._enter_child(name, a, k), with_kwargs=True))
-            handles.append(child.register_forward_hook(
-                lambda m, a, out, name=name: self._leave_child(name, out)))
+            handles.append(child.register_forward_hook(lambda m, a, out: self._leave_child(out)))
         try:
             yield
         finally:
@@ -228,47 +308,42 @@ class LayerFrame:
                 h.remove()
 
     def _enter_child(self, name: str, args, kwargs) -> None:
-        pos = self.layer.child_unit[name]
-        if self.recomputing:
-            if pos != self.current and self.unit_rng[pos] is not None:
-                self.unit_rng[pos].restore()
-            self.current = pos
+        self.depth += 1
+        if self.depth > 1:  # a child called from inside another child: part of that call
             return
-        self.child_order.append(name)
-        if pos != self.current or self.unit_rng[pos] is None:
-            rng = RngState(self.device_type)
-            prev = next((r for r in reversed(self.unit_rng[:pos]) if r is not None), self.rng)
-            self.unit_rng[pos] = prev if rng.same_as(prev) else rng
-            for x in (*args, *kwargs.values()):
-                producer = self.child_outputs.get(x.untyped_storage().data_ptr()) \
-                    if isinstance(x, torch.Tensor) else None
-                if producer is not None and self.layer.child_unit[producer] < pos:
-                    self.consumed.add(producer)  # read across units: see _fast_forwardable
+        call = len(self.calls)
+        self.calls.append(name)
+        if self.follows and (call >= len(self.split.calls) or self.split.calls[call] != name):
+            self.follows = False  # attribution stays consistent; only fast-forward is off
+        pos = self.split.unit_of_call(call)
+        if pos not in self.entered:
+            self.entered.add(pos)
             first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
             if first is not None:
                 self.boundary.add(first.untyped_storage().data_ptr())
                 if self.plan.actions[pos] != "R" and self.ctx.codec is not None:
-                    self.token_norms[pos] = input_norms(first)  # exposure's token weights
+                    self.units[pos].token_norms = input_norms(first)  # exposure's token weights
         self.current = pos
 
-    def _leave_child(self, name: str, output) -> None:
-        if self.recomputing:
+    def _leave_child(self, output) -> None:
+        self.depth -= 1
+        if self.depth:
             return
-        self.out_specs[name] = _spec(output)
-        for x in tree_flatten(output)[0]:
-            if isinstance(x, torch.Tensor):
-                self.child_outputs[x.untyped_storage().data_ptr()] = name
-        pos = self.layer.child_unit[name]
-        if self.plan.needs_fast_forward(pos):
-            self.ff_out[pos] = _fast_forward_value(output)  # the unit's last child wins
-            # code of the layer body after the unit (e.g. a dropout) draws from the RNG as it is
-            # at the unit's exit; a fast-forward must leave it there too
-            rng = RngState(self.device_type)
-            self.ff_rng[pos] = self.unit_rng[pos] if rng.same_as(self.unit_rng[pos]) else rng
+        call = len(self.calls) - 1
+        pos = self.split.unit_of_call(call)
+        if self.follows and self.plan.needs_fast_forward(pos):
+            # code of the layer body after this call (e.g. a dropout) draws from the RNG as it
+            # is at the call's exit; a fast-forward must leave it there too
+            rng = RngState(self.device)
+            prev = self.ff[call - 1].rng if call - 1 in self.ff else self.rng
+            self.ff[call] = FastForward(output, call, self.split.cut,
+                                        prev if rng.same_as(prev) else rng)
+        self.current = self.split.unit_of_segment(2 * call + 2)
 
     def _pack(self, t: torch.Tensor) -> Slot:
         pos = self.current
-        self.shapes[pos].append((t.shape, t.dtype))
+        unit = self.units[pos]
+        unit.shapes.append((t.shape, t.dtype))
         weight = self.ctx.weight_ref(t, self.layer.module)
         if weight is not None:
             slot = Slot(self, pos, WEIGHT)
@@ -280,22 +355,23 @@ class LayerFrame:
             slot = Slot(self, pos, ACT)
             if self.plan.actions[pos] != "R":
                 self._store(pos, t).attach(slot, t)
-        self.slots[pos].append(weakref.ref(slot))
+        unit.slots.append(weakref.ref(slot))
         return slot
 
     def _store(self, pos: int, t: torch.Tensor) -> Stored:
+        unit = self.units[pos]
         ptr = t.untyped_storage().data_ptr()
-        stored = self._by_ptr[pos].get(ptr)
+        stored = unit.by_ptr.get(ptr)
         if stored is not None and not stored.weak.expired() and stored.dtype == t.dtype:
             return stored
-        block = row_block(t, self.batch)
+        block = row_block(t, self.batch, self.seq_len)
         group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
         packable = (block is not None and t.dtype in FLOAT_DTYPES and ptr not in self.boundary
                     and block >= self.ctx.min_pack_numel and self.ctx.codec is not None
                     and group >= MIN_PACK_GROUP)
         stored = Stored(t, self.batch, block, group or 1, self.ctx.codec, packable, self.ctx.counters)
-        self._by_ptr[pos][ptr] = stored  # an address reused after free gets a new entry
-        self.stored[pos].append(stored)
+        unit.by_ptr[ptr] = stored  # an address reused after free gets a new entry
+        unit.stored.append(stored)
         rows = self.plan.rows[pos] or (self.plan.actions[pos],) * self.batch
         for action in ("E", "L"):
             selected = [i for i, a in enumerate(rows) if a == action]
@@ -306,34 +382,42 @@ class LayerFrame:
     # ------------------------------------------------------------------ after forward
     def downgrade(self, pos: int, action: str, rows=None) -> None:
         """H -> L / E (per sequence), H or L -> R (whole unit); frees the bytes at once."""
+        unit = self.units[pos]
         if action == "R":
-            for ref in self.slots[pos]:
+            for ref in unit.slots:
                 slot = ref()
                 if slot is not None and slot.kind == ACT and slot.stored is not None:
                     slot.stored.release()
                     slot.ref = slot.stored = None
-            self.stored[pos].clear()
-            self._by_ptr[pos].clear()
+            unit.stored.clear()
+            unit.by_ptr.clear()
             self.plan.actions[pos] = "R"
+            if not self.plan.needs_fast_forward(pos):
+                self._drop_fast_forward(pos)
             return
         rows = list(range(self.batch)) if rows is None else list(rows)
-        for stored in self.stored[pos]:
+        for stored in unit.stored:
             if action == "E" or stored.packable:
                 stored.set_rows(rows, action)
+
+    def _drop_fast_forward(self, pos: int) -> None:
+        for call in [c for c in self.ff if self.split.unit_of_call(c) == pos]:
+            del self.ff[call]
 
     def unit_summary(self, pos: int) -> tuple[str, dict[str, int]]:
         """(action, bytes by action) of unit ``pos`` as it stands now."""
         if self.plan.actions[pos] == "R":
             return "R", {}
+        unit = self.units[pos]
         states, total = set(), {"H": 0, "L": 0}
-        for stored in self.stored[pos]:
+        for stored in unit.stored:
             states.update(stored.row_states())
             for k, v in stored.bytes_by_action().items():
                 total[k] += v
-        if self.ff_out[pos] is not None and self.ff_out[pos][0] is not None:
-            total["H"] += self.ff_out[pos][0].untyped_storage().nbytes()
-        if self.token_norms[pos] is not None:  # exposure's token weights, (B, T) fp32
-            total["H"] += self.token_norms[pos].untyped_storage().nbytes()
+        total["H"] += sum(ff.nbytes() for c, ff in self.ff.items()
+                          if self.split.unit_of_call(c) == pos)
+        if unit.token_norms is not None:  # exposure's token weights, (B, T) fp32
+            total["H"] += unit.token_norms.untyped_storage().nbytes()
         action = "L" if "L" in states else "H" if "H" in states or not states else "E"
         return action, total
 
@@ -345,9 +429,9 @@ class LayerFrame:
             return slot.ref
         t = slot.take()
         if t is None and self.skip_zero_recompute:
-            shape, dtype = self.shapes[slot.pos][self._index(slot)]
+            shape, dtype = self.units[slot.pos].shapes[self._index(slot)]
             slot.consumed = True
-            return torch.full(shape, stand_in_value(dtype), dtype=dtype, device=self.args[0].device)
+            return torch.full(shape, stand_in_value(dtype), dtype=dtype, device=self.device)
         if t is None:
             self._recompute(slot.pos)
             t = slot.take()
@@ -356,92 +440,51 @@ class LayerFrame:
         return t
 
     def _index(self, slot: Slot) -> int:
-        return next(k for k, ref in enumerate(self.slots[slot.pos]) if ref() is slot)
+        return next(k for k, ref in enumerate(self.units[slot.pos].slots) if ref() is slot)
 
     def _recompute(self, trigger: int) -> None:
         """Re-run the layer from its inputs to refill the empty slots (NOTE [ Recompute ])."""
-        need = {trigger} | {p for p, refs in enumerate(self.slots)
-                            if any((s := r()) is not None and s.empty() and not s.consumed for r in refs)}
+        need = {trigger} | {p for p, unit in enumerate(self.units)
+                            if any((s := r()) is not None and s.empty() and not s.consumed
+                                   for r in unit.slots)}
         last = max(need)
-        rerun = set(need) | {p for p in range(last) if not self._fast_forwardable(p)}
+        skip = {}
+        if self.follows and min(need) > 0:  # units before the first needed one: fast-forward
+            calls = [c for c in range(len(self.calls)) if self.split.unit_of_call(c) < min(need)]
+            if all(c in self.ff for c in calls):
+                skip = {c: self.ff[c] for c in calls}
+        stop = next((c for c in range(len(self.calls)) if self.split.unit_of_call(c) > last), None)
         start = time.perf_counter()
-        self.rc_need, self.rc_counts = need, [0] * len(self.slots)
-        self.current, self.recomputing = 0, True
-        args = tuple(_detach_like(a) for a in self.args)
-        fn = self.fn
-        if isinstance(fn, functools.partial) and fn.keywords:  # detach keyword tensors too
-            fn = functools.partial(fn.func, *fn.args, **_detach_like(fn.keywords))
-        outer_rng = RngState(self.device_type)  # a recompute never advances the training RNG
-        try:
-            with self._stand_ins(rerun, last), torch.enable_grad(), \
-                    _replay_autocast(self.autocast, self.autocast_cache), self._child_hooks(), \
-                    torch.autograd.graph.saved_tensors_hooks(self._recompute_pack, _never_unpacked):
-                self.rng.restore()
-                try:
-                    fn(*args)
-                except _StopRecompute:
-                    pass
-        finally:
-            self.recomputing = False
-            outer_rng.restore()
+        self.rc_need = need
+        for unit in self.units:
+            unit.rc_count = 0
+        replay = Replay(self.layer.module, tuple(self.calls), skip, self._recompute_pack, stop)
+        with replay_autocast(self.autocast, self.autocast_cache):
+            replay.run(self.fn, self.args, self.rng)
         for p in need:
-            if self.rc_counts[p] != len(self.shapes[p]):
-                raise bug(f"recompute of {self.layer.units[p].name} saved {self.rc_counts[p]} tensors, "
-                          f"forward saved {len(self.shapes[p])}")
-        self.ff_out = [None] * len(self.ff_out)  # used; a second backward re-runs those units
-        self.ff_rng = [None] * len(self.ff_rng)
+            if self.units[p].rc_count != len(self.units[p].shapes):
+                raise bug(f"recompute of {self.layer.units[p].name} saved {self.units[p].rc_count} "
+                          f"tensors, forward saved {len(self.units[p].shapes)}")
+        self.ff.clear()  # used; a second backward re-runs those units
         self.ctx.counters.recomputed_units += len(need)
         self.ctx.counters.recompute_s += time.perf_counter() - start
 
-    @contextlib.contextmanager
-    def _stand_ins(self, rerun: set[int], last: int):
-        module = self.layer.module
-        swapped = {}
-        for name, pos in self.layer.child_unit.items():
-            if pos in rerun and pos <= last:
-                continue
-            if pos > last:
-                make = _stop
-            elif name == self._last_child(pos):
-                make = functools.partial(_fast_forward_exit, self.ff_out[pos], self.ff_rng[pos])
-            else:
-                make = (lambda spec=self.out_specs.get(name): _placeholder(spec))
-            swapped[name] = module._modules[name]
-            module._modules[name] = _StandIn(make)
-        try:
-            yield
-        finally:
-            module._modules.update(swapped)
-
-    def _fast_forwardable(self, pos: int) -> bool:
-        """Unit ``pos`` can be skipped on a re-run: its output is cached, and no later unit reads
-        the output of one of its other children (a parallel block sharing a norm)."""
-        last = self._last_child(pos)
-        return self.ff_out[pos] is not None and all(
-            c == last for c in self.consumed if self.layer.child_unit[c] == pos)
-
-    def _last_child(self, pos: int) -> str | None:
-        return next((c for c in reversed(self.child_order) if self.layer.child_unit[c] == pos), None)
-
-    def _recompute_pack(self, t: torch.Tensor) -> None:
-        pos = self.current
-        k = self.rc_counts[pos]
-        self.rc_counts[pos] += 1
+    def _recompute_pack(self, segment: int, t: torch.Tensor) -> None:
+        pos = self.split.unit_of_segment(segment)
+        unit = self.units[pos]
+        k = unit.rc_count
+        unit.rc_count += 1
         if pos not in self.rc_need:
-            return None
-        if k >= len(self.shapes[pos]) or self.shapes[pos][k] != (t.shape, t.dtype):
+            return
+        if k >= len(unit.shapes) or unit.shapes[k] != (t.shape, t.dtype):
             raise bug(f"recompute of {self.layer.units[pos].name} diverged from forward at saved "
                       f"tensor {k}: {tuple(t.shape)} {t.dtype}")
-        slot = self.slots[pos][k]()
+        slot = unit.slots[k]()
         if slot is not None and slot.empty():
             slot.ref = t.detach()
             slot.consumed = False
-        if all(self.rc_counts[p] == len(self.shapes[p]) for p in self.rc_need):
-            # Everything needed is back: stop inside this op, as torch's non-reentrant checkpoint
-            # does. Running on to the end of the module would fire its post-forward hooks, and
-            # ZeRO-3's would release the parameters the current backward has just gathered.
-            raise _StopRecompute
-        return None
+        if all(self.units[p].rc_count == len(self.units[p].shapes) for p in self.rc_need):
+            raise StopReplay  # everything needed is back: stop inside this op (Replay)
 
 
 def _never_unpacked(_):

@@ -77,12 +77,12 @@ class HiLoReConfig(DeepSpeedConfigModel):
         "unit, or a mapping unit-name glob (fnmatch) -> action; the LAST matching glob wins.")
     layer_pattern: Optional[str] = Field(None, strict=True, description=(
         "Glob (fnmatch) over module names of decoder layers; null = GradientCheckpointingLayers."))
-    attn_children: list[_Str] = Field(["input_layernorm", "self_attn", "attention",
-                                      "resid_attn_dropout", "post_attention_dropout"],
-        description="Child-module names of a decoder layer that form its attention unit.")
-    mlp_children: list[_Str] = Field(["post_attention_layernorm", "mlp", "resid_mlp_dropout",
-                                     "post_mlp_dropout"],
-        description="Child-module names of a decoder layer that form its MLP unit.")
+    attn_children: Optional[list[_Str]] = Field(None, description=(
+        "Override: child-module names of a decoder layer that form its attention unit; null = "
+        "units found from the layer's own execution. Set together with mlp_children."))
+    mlp_children: Optional[list[_Str]] = Field(None, description=(
+        "Override: child-module names of a decoder layer that form its MLP unit; null = found "
+        "from execution. Set together with attn_children."))
     calibration_microbatches: _Int = Field(16, strict=True, ge=0, description=(
         "Microbatches of matched passes that calibrate susceptibility; 0 skips calibration."))
     refresh_interval: _Int = Field(1, strict=True, ge=1,
@@ -142,6 +142,13 @@ class HiLoReConfig(DeepSpeedConfigModel):
                 f" = {self.memory_budget_bytes} are both set, but they are alternatives (a "
                 "multiple of gradient checkpointing's peak, or absolute bytes per rank). "
                 "Fix: remove one of the two keys.")
+        if (self.attn_children is None) != (self.mlp_children is None):
+            given, missing = (("attn_children", "mlp_children") if self.mlp_children is None
+                              else ("mlp_children", "attn_children"))
+            raise HiLoReConfigError(
+                f"hilore.{given} is set but hilore.{missing} is not: the two name the children "
+                "of a decoder layer's two units and go together. Fix: set both, or neither "
+                "(units are then found from each layer's own execution).")
         plan = self.force_plan
         where = ([p for p, a in plan.items() if a == "L"] if isinstance(plan, dict)
                  else ["every unit"] if plan == "L" else [])

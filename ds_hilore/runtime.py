@@ -24,14 +24,16 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
 from . import exposure
 from ._errors import HiLoReError
+from . import discovery
 from .codecs import codec_from_config
-from .bundle import CapturePlan, LayerFrame
+from .bundle import CapturePlan, LayerFrame, hidden_input
 from .storage import Counters, WeightRef
 from .config import HiLoReConfig
-from .units import UNIT_KINDS, LayerUnits, Unit, find_units, is_checkpointing_layer
+from .units import LayerUnits, Unit, find_layers, is_checkpointing_layer
 
 logger = logging.getLogger("ds_hilore")
 
@@ -39,6 +41,7 @@ ACTIONS = ("H", "L", "R")
 _ATTACHED: "weakref.WeakSet[HiLoReRuntime]" = weakref.WeakSet()
 _MAX_MICROBATCHES_KEPT = 64
 _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
+_PROBE_SHAPE = (2, 8)  # (B, T) of the token ids the attach-time discovery forward runs on
 
 
 def attach(model: nn.Module, config: HiLoReConfig | Mapping | str | None = None) -> "HiLoReRuntime":
@@ -132,7 +135,7 @@ class _Toggle:
         kwargs = {} if gradient_checkpointing_func is None else {
             "gradient_checkpointing_func": gradient_checkpointing_func}
         self.original(enable=enable, every_n_layers=every_n_layers, **kwargs)
-        self.runtime._switch(enable)
+        self.runtime._switch(enable, every_n_layers)
         self.runtime._last_toggle = (self.original, enable, every_n_layers, kwargs)
 
 
@@ -160,16 +163,15 @@ class HiLoReRuntime:
         self._saved: list = []  # what attach changed, for detach
         if not config.enabled:
             return
-        self._layers = find_units(model, config)
-        self._units = tuple(u for layer in self._layers for u in layer.units)
+        self._layers = find_layers(model, config)
         self._layer_params = {id(l.module): list(l.module.parameters()) for l in self._layers}
         self._codec = codec_from_config(config)  # None for low_precision "none"
-        unmatched = config.unmatched_force_plan_patterns([u.name for u in self._units])
-        if unmatched:
-            raise HiLoReError(f"force_plan patterns {unmatched} match no recovery unit; unit names "
-                              f"look like {self._units[0].name!r} (all: runtime.units).")
-        self._plan = {u.name: "R" for u in self._units}  # until the allocator decides: as GC
+        self._plan_source: Mapping[str, str] | str = "R"  # until the allocator decides: as GC
+        self._probing = False
+        self._every_n_layers = 1
+        self._renumber()
         self._install()
+        self._probe()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -206,14 +208,17 @@ class HiLoReRuntime:
             plan: ``"H"``, ``"L"``, ``"R"`` for every unit, or unit name (globs allowed) -> action.
             rows: optional per-sequence actions (``"H"``/``"L"``/``"E"``) for H/L units.
         """
-        if not isinstance(plan, str):
+        if not isinstance(plan, str) and self._units:
             names = [u.name for u in self._units]
             unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
             if unmatched:
                 raise HiLoReError(f"set_plan: patterns {unmatched} match no recovery unit; unit "
                                   f"names look like {names[0]!r}.")
+        if isinstance(plan, str):
+            self._check_action(plan, "set_plan")
         self._plan = {u.name: self._check_action(_lookup(plan, u.name, self._plan[u.name]), "set_plan")
                       for u in self._units}
+        self._plan_source = plan
         rows = dict(rows or {})
         for name, actions in rows.items():
             self._unit(name)
@@ -257,7 +262,7 @@ class HiLoReRuntime:
         if frame is None:
             raise HiLoReError(f"downgrade({name!r}): no microbatch of this unit is alive; call it "
                               "between the forward and the backward of a microbatch.")
-        pos = unit.index - len(UNIT_KINDS) * unit.layer_index  # position inside its layer
+        pos = unit.pos
         current = frame.plan.actions[pos]
         allowed = {"H": {"L", "R", "E"}, "L": {"L", "R", "E"}, "R": {"R"}}[current]
         if action not in allowed:
@@ -332,20 +337,23 @@ class HiLoReRuntime:
             return
         abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
         zero = exposure.zero_rows(abs_omega)
-        all_zero = len(zero) == abs_omega.shape[0]
+        all_zero = len(zero) == abs_omega.shape[0] and all(f.elision_ok for f in frames)
         if source == "analytic" and self.collective is not None:  # every rank must agree
             all_zero = self.collective.all_reduce_max([0 if all_zero else 1])[0] == 0
         mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
         for frame in frames:
             frame.skip_zero_recompute = all_zero and source == "analytic"
-            elides = frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions)
-            frame.elided_rows = set(zero) if elides else set()  # checked in _on_layer_grad
+            # the same on every rank (plans are synced): whether _on_layer_grad checks, and so
+            # whether it takes part in the collective decision there
+            frame.elision_checked = frame.elision_ok and (
+                frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
+            frame.elided_rows = set(zero) if frame.elision_checked else set()
             for pos, unit in enumerate(frame.layer.units):
                 if frame.plan.actions[pos] == "R":
                     continue
-                if zero:
+                if zero and frame.elision_checked:
                     frame.downgrade(pos, "E", zero)
-                norms = frame.token_norms[pos]
+                norms = frame.units[pos].token_norms
                 if norms is not None and norms.shape == abs_omega.shape:
                     covered = exposure.window(abs_omega, coefficients.shape[1], offset)
                     weights = exposure.token_weights(norms, covered)
@@ -373,12 +381,12 @@ class HiLoReRuntime:
         if last:
             self._on_hidden_grad(mb, grad)
         frame = frame_ref()
-        if frame is None or not frame.elided_rows or grad.dim() < 2:
+        if frame is None or not frame.elision_checked or grad.dim() < 2:
             return
         rows = sorted(frame.elided_rows)
-        leaks = bool(grad.detach()[rows].abs().amax() > 0)
-        if frame.skip_zero_recompute and self.collective is not None:  # a collective decision
-            leaks = self.collective.all_reduce_max([int(leaks)])[0] > 0
+        leaks = bool(rows) and bool(grad.detach()[rows].abs().amax() > 0)
+        if self.collective is not None:  # one decision for all ranks: a re-run under ZeRO-3
+            leaks = self.collective.all_reduce_max([int(leaks)])[0] > 0  # gathers parameters
         if not leaks:
             return
         if not self._warned_leak:
@@ -450,22 +458,97 @@ class HiLoReRuntime:
     def _remember(self, obj, name: str) -> None:
         self._saved.append((obj, name, name in obj.__dict__, obj.__dict__.get(name)))
 
-    def _switch(self, enable: bool) -> None:
+    def _switch(self, enable: bool, every_n_layers: int = 1) -> None:
+        """HiLoRe on / off; with ``every_n_layers`` N > 1 only every N-th layer is HiLoRe's, the
+        others keep their activations (plain autograd), as transformers defines it."""
         self._switched_on = enable
-        for layer in self._layers:
+        self._every_n_layers = every_n_layers
+        for position, layer in enumerate(self._layers):
             if is_checkpointing_layer(layer.module):
-                layer.module.gradient_checkpointing = enable
+                layer.module.gradient_checkpointing = enable and position % every_n_layers == 0
                 layer.module._gradient_checkpointing_func = _LayerCall(self, layer)
+
+    # ------------------------------------------------------------------ discovery
+    def _probe(self) -> None:
+        """Find every layer's units now, with one small forward (NOTE [ Discovery ]).
+
+        Only for transformers models (the input is known: token ids); other models, or a probe
+        that fails, find their units at the first training forward instead. The probe runs in
+        training mode with gradients, leaves the RNG streams and module modes as they were, and
+        keeps nothing.
+        """
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            return
+        model = next((m for m in self.model.modules() if isinstance(m, PreTrainedModel)), None)
+        if model is None or all(layer.split is not None for layer in self._layers):
+            return
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        vocab = getattr(model.config.get_text_config(), "vocab_size", None) or 2
+        ids = torch.randint(vocab, _PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(device)
+        modes = [(m, m.training) for m in self.model.modules()]
+        devices = [device.index or 0] if device.type not in ("cpu", "meta") else []
+        # the layers' inputs require grad, as in training (embeddings may be frozen: LoRA),
+        # so every op saves what it saves in training
+        embeddings = model.get_input_embeddings()
+        hook = embeddings.register_forward_hook(lambda m, a, out: out.requires_grad_(True)) \
+            if embeddings is not None else None
+        self._probing = True
+        try:
+            with torch.random.fork_rng(devices=devices, device_type=device.type), torch.enable_grad():
+                self.model.train()
+                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        except HiLoReError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- any model-specific input need: discover later
+            logger.info("ds_hilore: probe forward of %s failed (%s: %s); recovery units will be "
+                        "found at the first training forward.", type(model).__name__,
+                        type(exc).__name__, exc)
+        finally:
+            self._probing = False
+            if hook is not None:
+                hook.remove()
+            for module, training in modes:
+                module.training = training
+            self._mb, self._step, self._n_microbatches = None, [], 0
+
+    def _discover(self, layer: LayerUnits, function, args: tuple):
+        device = hidden_input(args, getattr(function, "keywords", {})).device
+        out, split = discovery.discover(layer, function, args, device)
+        for other in self._layers:  # at the probe, every layer proves itself
+            if other is layer or (not self._probing and other.split is None
+                                  and other.signature == layer.signature):
+                other.set_split(split)
+        self._renumber()
+        return out
+
+    def _renumber(self) -> None:
+        """Number the units found so far; check force_plan once every layer has its units."""
+        self._units = tuple(u for layer in self._layers for u in layer.units)
+        for index, unit in enumerate(self._units):
+            unit.index = index
+        self._plan = {u.name: self._plan.get(u.name) or _lookup(self._plan_source, u.name, "R")
+                      for u in self._units}
+        if self._units and all(layer.units for layer in self._layers):
+            unmatched = self.config.unmatched_force_plan_patterns([u.name for u in self._units])
+            if unmatched:
+                raise HiLoReError(f"force_plan patterns {unmatched} match no recovery unit; unit "
+                                  f"names look like {self._units[0].name!r} (all: runtime.units).")
 
     # ------------------------------------------------------------------ per layer call
     def _run_layer(self, layer: LayerUnits, function, args: tuple):
         if not torch.is_grad_enabled():
             return function(*args)
+        if layer.split is None:
+            return self._discover(layer, function, args)
         mb = self._microbatch_for(layer.index)
         frame = LayerFrame(layer, function, args, self._capture_plan(layer), mb)
         mb.frames[layer.index] = weakref.ref(frame)
         mb.last_layer = layer.index
         out = frame.run()
+        frame.elision_ok = _gradient_enters_only_through(out)
         last = layer.index == self._layers[-1].index
         hidden = out if isinstance(out, torch.Tensor) else next(
             (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
@@ -599,3 +682,21 @@ def _sum_dicts(dicts) -> dict[str, int]:
         for k, v in d.items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def _gradient_enters_only_through(out) -> bool:
+    """Whether gradient can reach a layer's interior only through its hidden-state output.
+
+    Not so when the layer returns more than one tensor that requires grad (a loss on attention
+    weights) or when transformers records internal outputs (router logits for an MoE auxiliary
+    loss, attentions): the elision check at the layer output would not see that gradient, so
+    such layers never elide (NOTE [ Checked elision ]).
+    """
+    if sum(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten(out)[0]) > 1:
+        return False
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return True
+    collected = _active_collector.get()
+    return not collected or all(key == "hidden_states" or key.startswith("_") for key in collected)

@@ -259,14 +259,14 @@ def _runs(indices: list[int]):
         yield start, prev + 1
 
 
-def row_block(t: torch.Tensor, rows: int) -> int | None:
+def row_block(t: torch.Tensor, rows: int, seq_len: int) -> int | None:
     """Elements per sequence when ``t``'s storage splits into ``rows`` contiguous per-sequence blocks.
 
-    True for every activation of a decoder layer: dim 0 is B, or B·T for flattened linear
-    inputs, and dim 0 is outermost in memory (DESIGN.md §4). None otherwise (broadcast rotary
-    tables, masks, scalars): such tensors are kept whole.
+    Only layouts proven batch-first are sliced (NOTE [ Batch-first ]); None otherwise
+    (broadcast rotary tables, masks, (T, B, H) layouts, token-permuted MoE buffers): such
+    tensors are kept whole.
     """
-    if t.dim() == 0 or rows <= 0 or t.shape[0] % rows:
+    if t.dim() == 0 or rows <= 0 or not _batch_first(t, rows, seq_len):
         return None
     numel = t.untyped_storage().nbytes() // t.element_size()
     if numel % rows or numel * t.element_size() != t.untyped_storage().nbytes():
@@ -276,3 +276,25 @@ def row_block(t: torch.Tensor, rows: int) -> int | None:
         return None
     extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:]) if n > 0)
     return block if extent < t.stride(0) else None
+
+
+# NOTE [ Batch-first ]
+# A first dimension that merely equals B or B*T proves nothing: a (T, B, H) layout or an MoE
+# buffer of tokens permuted by expert can have it, and slicing those "per sequence" would
+# elide other sequences' rows. Accepted: dim 0 is B and a later dimension is T (activations,
+# attention scores, per-token statistics), or the tensor is a view of such a tensor whose
+# storage is batch-major (the flattened input of a linear layer, (B * heads, T, d) operands
+# of a batched matmul); row_block then checks that the view's rows are whole per-sequence
+# blocks of that storage. With B == T, (T, B, ...) cannot be told from (B, T, ...): nothing
+# is sliced.
+def _batch_first(t: torch.Tensor, batch: int, seq_len: int) -> bool:
+    if batch == 1:
+        return True
+    if batch == seq_len:
+        return False
+    if t.shape[0] == batch:
+        return seq_len in t.shape[1:]
+    base = t._base
+    return (base is not None and base.dim() >= 2 and base.shape[0] == batch
+            and seq_len in base.shape[1:] and base.stride(0) * batch == base.numel()
+            and t.shape[0] % batch == 0)

@@ -1,13 +1,20 @@
-"""Find the recovery units of a model: one attention and one MLP sub-block per decoder layer.
+"""Recovery units: the decoder layers of a model, each split into one or two units.
 
 NOTE [ Recovery units ]
-A unit couples a forward subgraph with every tensor its backward needs (DESIGN.md §4). The
-checkpoint boundary stays the decoder layer: only the layer's inputs are kept for recompute,
-exactly as gradient checkpointing keeps them. Inside a layer, saved tensors are attributed to
-the sub-block whose child module is executing; every child module of a layer must therefore
-belong to exactly one unit (``attn_children`` / ``mlp_children`` in the config), including
-layer-level dropouts such as Phi-3's ``resid_attn_dropout`` or GPT-NeoX's
-``post_attention_dropout``.
+A unit couples a forward subgraph with every tensor its backward needs. The checkpoint
+boundary stays the decoder layer: only the layer's inputs are kept for recompute, exactly as
+gradient checkpointing keeps them. Inside a layer, a unit is a contiguous run of the layer's
+*child-module calls* (and the layer-body code between them), found from the layer's own
+execution (discovery.py): the token-mixing block (``attn``) and the channel-mixing block
+(``mlp``), split at the residual boundary; a layer that cannot be split exactly is one unit
+(``block``). Units are attributed by call position, not by child name, so a child called in
+both halves (a shared dropout) is no obstacle. ``attn_children`` / ``mlp_children`` in the
+config override the split by names; the override is verified like a discovered split.
+
+Positions in a layer call are *segments*: 0 before the first child call, ``2c + 1`` inside
+call ``c``, ``2c + 2`` in the layer-body code after call ``c``. A split is the last segment
+of the first unit (``2k + 1`` for a split after call ``k``): body code after the first unit's
+last call belongs to the second unit, because a re-run executes it in any case.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import torch.nn as nn
 
 from ._errors import HiLoReError
 
-UNIT_KINDS = ("attn", "mlp")  # execution order inside a decoder layer
+TWO_UNITS = ("attn", "mlp")  # execution order inside a split decoder layer
+ONE_UNIT = ("block",)
 
 # peft wraps the model as PeftModel -> LoraModel -> the transformers model; unit names are
 # given relative to the transformers model so force_plan patterns work with and without LoRA.
@@ -27,41 +35,93 @@ _WRAPPER_PREFIXES = ("base_model.model.", "module.")
 
 
 class Unit:
-    """A recovery unit: one sub-block (``"attn"`` or ``"mlp"``) of one decoder layer.
+    """A recovery unit: one part (``"attn"``, ``"mlp"`` or the whole ``"block"``) of a layer.
 
     Attributes:
         name: e.g. ``"model.layers.3.mlp"``.
-        kind: ``"attn"`` or ``"mlp"``.
+        kind: ``"attn"``, ``"mlp"`` or ``"block"`` (a layer that is one unit).
         layer_index: index of the decoder layer in execution order.
-        index: index of the unit in execution order (``2 * layer_index + kind position``).
-        children: names of the layer's child modules that belong to this unit.
+        index: index of the unit among all units, in execution order.
+        pos: position of the unit inside its layer (0 or 1).
+        children: names of the layer's child modules called inside this unit, in call order.
         action: what happened to the unit's saved tensors in the last microbatch: ``"H"``,
             ``"L"`` (any slice packed), ``"R"`` or ``"E"`` (every slice elided).
+        nbytes: bytes the unit held after the forward of the last microbatch.
     """
 
-    __slots__ = ("name", "kind", "layer_index", "index", "children", "action")
+    __slots__ = ("name", "kind", "layer_index", "index", "pos", "children", "action", "nbytes")
 
-    def __init__(self, name: str, kind: str, layer_index: int, index: int, children: tuple[str, ...]):
-        self.name = name
-        self.kind = kind
-        self.layer_index = layer_index
-        self.index = index
+    def __init__(self, name: str, kind: str, layer_index: int, pos: int, children: tuple[str, ...]):
+        self.name, self.kind, self.layer_index, self.pos = name, kind, layer_index, pos
+        self.index = -1  # set when the runtime numbers all units
         self.children = children
         self.action = "R"
+        self.nbytes = 0
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, action={self.action!r})"
 
 
+@dataclass(frozen=True)
+class Split:
+    """How the calls of one decoder-layer class divide into units (found by discovery.py).
+
+    Attributes:
+        calls: child-module name of every call, in execution order.
+        boundary: last segment of the first unit; None when the layer is one unit.
+        cut: (call, output leaf) pairs of the first unit that the second unit reads, directly or
+            through layer-body code: what a fast-forward of the first unit must hand on.
+        batch_first: per unit, per saved tensor in save order: dim 0 proven to be the batch.
+        verified: ``"bitwise"``, or ``"tolerance"`` where the device's own kernels are not
+            bitwise reproducible (recompute is then as exact as gradient checkpointing).
+    """
+
+    calls: tuple[str, ...]
+    boundary: int | None
+    cut: frozenset
+    batch_first: tuple[tuple[bool, ...], ...]
+    verified: str = "bitwise"
+
+    @property
+    def n_units(self) -> int:
+        return 1 if self.boundary is None else 2
+
+    def unit_of_segment(self, segment: int) -> int:
+        return 0 if self.boundary is None or segment <= self.boundary else 1
+
+    def unit_of_call(self, call: int) -> int:
+        return self.unit_of_segment(2 * call + 1)
+
+
 @dataclass
 class LayerUnits:
-    """A decoder layer and its units, in execution order."""
+    """A decoder layer and its units, in execution order (empty until discovered)."""
 
     name: str
     index: int
     module: nn.Module
-    units: list[Unit]
-    child_unit: dict[str, int] = field(default_factory=dict)  # child name -> position in units
+    units: list[Unit] = field(default_factory=list)
+    split: Split | None = None
+    names: dict[str, int] | None = None  # child name -> unit position, from the override
+
+    @property
+    def signature(self) -> tuple:
+        """Layers with the same class and children share one discovery."""
+        return (type(self.module),) + tuple((n, type(c)) for n, c in self.module.named_children())
+
+    def set_split(self, split: Split) -> None:
+        kinds = ONE_UNIT if split.boundary is None else TWO_UNITS
+        children: list[list[str]] = [[] for _ in kinds]
+        for call, child in enumerate(split.calls):
+            if child not in children[split.unit_of_call(call)]:
+                children[split.unit_of_call(call)].append(child)
+        if self.units and [u.kind for u in self.units] == list(kinds):
+            for unit, names in zip(self.units, children):
+                unit.children = tuple(names)
+        else:
+            self.units = [Unit(f"{self.name}.{kind}", kind, self.index, pos, tuple(names))
+                          for pos, (kind, names) in enumerate(zip(kinds, children))]
+        self.split = split
 
 
 def public_name(name: str) -> str:
@@ -100,12 +160,12 @@ def _layer_candidates(model: nn.Module, layer_pattern: str | None) -> list[tuple
     return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
-def find_units(model: nn.Module, config) -> list[LayerUnits]:
-    """Decoder layers of ``model`` split into attention / MLP units.
+def find_layers(model: nn.Module, config) -> list[LayerUnits]:
+    """The decoder layers of ``model``; units come from discovery or the name override.
 
     Raises:
-        HiLoReError: no decoder layer was found, or a layer has a child module that belongs to
-            no unit; the message says which config keys name them.
+        HiLoReError: no decoder layer was found, or (with the name override) a layer has a
+            child module that belongs to no unit; the message says which config keys to set.
     """
     candidates = _layer_candidates(model, config.layer_pattern)
     if not candidates:
@@ -115,33 +175,40 @@ def find_units(model: nn.Module, config) -> list[LayerUnits]:
         raise HiLoReError(
             f"ds_hilore found no decoder layers in {type(model).__name__}: {how}. Set "
             "'layer_pattern' in the \"hilore\" config block to a glob matching the decoder layers' "
-            "module names (e.g. \"model.layers.*\"), and 'attn_children' / 'mlp_children' to the "
-            "names of each layer's child modules that form its attention and MLP sub-blocks.")
-    kinds = {"attn": list(config.attn_children), "mlp": list(config.mlp_children)}
-    layers = []
-    for layer_index, (name, module) in enumerate(candidates):
-        child_unit: dict[str, int] = {}
-        unmapped = []
-        for child_name, _ in module.named_children():
-            pos = next((i for i, kind in enumerate(UNIT_KINDS) if child_name in kinds[kind]), None)
-            if pos is None:
-                unmapped.append(child_name)
-            else:
-                child_unit[child_name] = pos
-        if unmapped:
-            raise HiLoReError(
-                f"decoder layer {name!r} ({type(module).__name__}) has child modules that belong to "
-                f"no recovery unit: {unmapped}. Add each to 'attn_children' or 'mlp_children' in the "
-                f"\"hilore\" config block (now attn_children={kinds['attn']}, "
-                f"mlp_children={kinds['mlp']}).")
-        units = []
-        for pos, kind in enumerate(UNIT_KINDS):
-            children = tuple(c for c, p in child_unit.items() if p == pos)
-            if not children:
-                raise HiLoReError(
-                    f"decoder layer {name!r} ({type(module).__name__}) has no {kind} sub-block: none "
-                    f"of its children {list(child_unit)} is listed in '{kind}_children' of the "
-                    "\"hilore\" config block.")
-            units.append(Unit(f"{name}.{kind}", kind, layer_index, 2 * layer_index + pos, children))
-        layers.append(LayerUnits(name, layer_index, module, units, child_unit))
+            "module names (e.g. \"model.layers.*\"); units are then found from each layer's "
+            "execution ('attn_children' / 'mlp_children' name them explicitly if needed).")
+    layers = [LayerUnits(name, index, module) for index, (name, module) in enumerate(candidates)]
+    if config.attn_children is not None:
+        for layer in layers:
+            _units_from_names(layer, config)
     return layers
+
+
+def _units_from_names(layer: LayerUnits, config) -> None:
+    """The override: units named by ``attn_children`` / ``mlp_children``."""
+    kinds = {"attn": list(config.attn_children), "mlp": list(config.mlp_children)}
+    names: dict[str, int] = {}
+    unmapped = []
+    for child_name, _ in layer.module.named_children():
+        pos = next((i for i, kind in enumerate(TWO_UNITS) if child_name in kinds[kind]), None)
+        if pos is None:
+            unmapped.append(child_name)
+        else:
+            names[child_name] = pos
+    if unmapped:
+        raise HiLoReError(
+            f"decoder layer {layer.name!r} ({type(layer.module).__name__}) has child modules that "
+            f"belong to no recovery unit: {unmapped}. Add each to 'attn_children' or "
+            f"'mlp_children' in the \"hilore\" config block (now attn_children={kinds['attn']}, "
+            f"mlp_children={kinds['mlp']}), or remove both keys to find units from execution.")
+    for pos, kind in enumerate(TWO_UNITS):
+        children = tuple(c for c, p in names.items() if p == pos)
+        if not children:
+            raise HiLoReError(
+                f"decoder layer {layer.name!r} ({type(layer.module).__name__}) has no {kind} "
+                f"sub-block: none of its children {list(names)} is listed in '{kind}_children' of "
+                "the \"hilore\" config block.")
+    layer.names = names
+    layer.units = [Unit(f"{layer.name}.{kind}", kind, layer.index, pos,
+                        tuple(c for c, p in names.items() if p == pos))
+                   for pos, kind in enumerate(TWO_UNITS)]

@@ -24,9 +24,8 @@ CONTRACT_DEFAULTS = {
     "min_pack_numel": 4096,
     "force_plan": None,
     "layer_pattern": None,
-    "attn_children": ["input_layernorm", "self_attn", "attention", "resid_attn_dropout",
-                      "post_attention_dropout"],
-    "mlp_children": ["post_attention_layernorm", "mlp", "resid_mlp_dropout", "post_mlp_dropout"],
+    "attn_children": None,  # units are found from each layer's execution
+    "mlp_children": None,
     "calibration_microbatches": 16,
     "refresh_interval": 1,
     "validation_interval": 0,
@@ -69,17 +68,27 @@ def test_constants_list_the_allowed_values():
     assert LOW_PRECISION == ("int8", "fp8_e4m3", "none")
 
 
-def test_default_lists_are_not_shared_between_instances():
-    first, second = HiLoReConfig(), HiLoReConfig()
+def test_given_lists_are_not_shared_between_instances():
+    names = {"attn_children": ["norm", "attn"], "mlp_children": ["mlp"]}
+    first, second = HiLoReConfig(**names), HiLoReConfig(**names)
     first.attn_children.append("extra")
     assert "extra" not in second.attn_children
+
+
+@pytest.mark.parametrize("given,missing", [("attn_children", "mlp_children"),
+                                           ("mlp_children", "attn_children")])
+def test_child_name_override_needs_both_lists(given, missing):
+    with pytest.raises(HiLoReConfigError) as err:
+        HiLoReConfig(**{given: ["x"]})
+    assert given in str(err.value) and missing in str(err.value) and "set both" in str(err.value)
 
 
 @pytest.mark.parametrize("block", [
     {},
     {"memory_budget_bytes": 8_000_000_000, "low_precision": "fp8_e4m3", "fp8_scaling": "block"},
     {"force_plan": {"*": "R", "model.layers.0.*": "H"}, "memory_budget": 1.3},
-    {"enabled": False, "layer_pattern": "model.layers.*", "attn_children": ["attn"]},
+    {"enabled": False, "layer_pattern": "model.layers.*", "attn_children": ["attn"],
+     "mlp_children": ["mlp"]},
 ])
 def test_to_dict_round_trips_and_is_json_ready(block):
     config = HiLoReConfig(**block)
@@ -102,7 +111,8 @@ def test_integral_floats_are_accepted_for_integers_and_ints_for_floats():
 
 
 def test_tuples_are_accepted_for_lists():
-    assert HiLoReConfig(mlp_children=("mlp",)).mlp_children == ["mlp"]
+    config = HiLoReConfig(attn_children=("attn",), mlp_children=("mlp",))
+    assert config.mlp_children == ["mlp"] and config.attn_children == ["attn"]
 
 
 # ---- reading a ds_config --------------------------------------------------------------------
@@ -261,8 +271,8 @@ def test_every_unknown_key_is_reported():
     ("min_pack_numel", 1.5, "an integer >= 0"),
     ("min_pack_numel", False, "an integer >= 0"),
     ("layer_pattern", 3, "a string or null"),
-    ("attn_children", "self_attn", "a list of strings"),
-    ("mlp_children", ["mlp", 2], "a list of strings"),
+    ("attn_children", "self_attn", "a list of strings or null"),
+    ("mlp_children", ["mlp", 2], "a list of strings or null"),
     ("calibration_microbatches", None, "an integer >= 0"),
     ("refresh_interval", "1", "an integer >= 1"),
     ("validation_interval", 2.5, "an integer >= 0"),

@@ -1,0 +1,312 @@
+"""Find a decoder layer's recovery units from its own execution, and prove them exact.
+
+NOTE [ Discovery ]
+The first call (with gradients) of each decoder-layer class runs once as plain autograd under
+a recorder that sees, in order: every child-module call (its inputs and outputs), every op of
+the layer-body code between the calls (a ``TorchFunctionMode``), and every tensor autograd
+saves. Outputs of child calls are labelled; body ops propagate the labels; so for every read
+we know which child outputs it depends on.
+
+A split after call ``k`` makes two units, calls ``0..k`` and ``k+1..``. Fast-forwarding the
+first unit in a re-run (its calls return cached outputs) is exact only if the re-run sees
+exactly the values the forward saw, so the split's *cut* is every first-unit output that
+anything after the split reads -- directly or through body code -- up to the layer's last
+saved tensor (a re-run stops there). The cut is what the fast-forward must keep; every other
+output of a fast-forwarded call becomes a NaN placeholder, so a wrong use cannot go unseen.
+(The bug this replaces: a unit handed on only its last child's output, and MiniMax's layer
+reads ``residual = input_layernorm(x)`` after the attention -- it got zeros, silently.)
+
+Candidates are ranked by the cut's bytes (the memory a fast-forward costs), then by whether
+the second unit starts at a residual boundary (its first call reads body-code output, not a
+raw child output: post-norms stay with the block they normalise), then by balance of saved
+bytes. The first candidate that *verifies* wins; none -> the layer is one unit.
+
+Verification, on the discovery call's own inputs: (1) a full re-run with the forward's RNG
+must reproduce every saved tensor (else the layer keeps state across calls and is refused);
+(2) a re-run with the first unit fast-forwarded must reproduce every tensor the second unit
+saves. Bitwise on deterministic devices; where the device's kernels are not reproducible, a
+close match counts (as exact as gradient checkpointing there), and NaN never does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._errors import HiLoReError
+from .bundle import Replay, RngState, StopReplay, autocast_state, placeholder, replay_autocast
+from .units import LayerUnits, Split
+
+logger = logging.getLogger("ds_hilore")
+
+_MAX_VERIFIED = 4  # candidate splits tried, best first
+_TOLERANCE = dict(rtol=1e-3, atol=1e-5)  # "close" where kernels are not bitwise reproducible
+
+
+class _Trace:
+    """What one decoder-layer call did (NOTE [ Discovery ])."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.calls: list[str] = []
+        self.outputs: list[tuple[list, object]] = []  # (flat leaves, treespec) per call
+        self.exit_rng: list[RngState] = []
+        self.saves: list[tuple[int, int, torch.Tensor]] = []  # (event, segment, tensor)
+        self.reads: list[tuple[int, int, frozenset, frozenset]] = []  # event, segment, labels, raw
+        self.segment = 0
+        self.event = 0
+        self.depth = 0
+        self._labels: dict[int, frozenset] = {}  # id(tensor) -> {(call, leaf)}
+        self._raw: dict[int, tuple[int, int]] = {}  # id of a child output leaf -> (call, leaf)
+        self._keep: list[torch.Tensor] = []  # labelled tensors stay alive: ids stay unique
+
+    def read(self, values) -> None:
+        labels, raw = set(), set()
+        for x in tree_flatten(values)[0]:
+            if isinstance(x, torch.Tensor):
+                labels |= self._labels.get(id(x), frozenset())
+                if id(x) in self._raw:
+                    raw.add(self._raw[id(x)])
+        if labels:
+            self.reads.append((self.event, self.segment, frozenset(labels), frozenset(raw)))
+            self.event += 1
+
+    def label(self, values, labels: frozenset) -> None:
+        if not labels:
+            return
+        for x in tree_flatten(values)[0]:
+            if isinstance(x, torch.Tensor):
+                self._labels[id(x)] = self._labels.get(id(x), frozenset()) | labels
+                self._keep.append(x)
+
+    def enter(self, name: str, args, kwargs) -> None:
+        if self.depth == 0:
+            self.segment = 2 * len(self.calls) + 1
+            self.calls.append(name)
+            self.read((args, kwargs))
+        self.depth += 1
+
+    def leave(self, output) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
+        call = len(self.calls) - 1
+        leaves, spec = tree_flatten(output)
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                self._labels[id(x)] = frozenset({(call, i)})
+                self._raw[id(x)] = (call, i)
+                self._keep.append(x)
+        self.outputs.append((leaves, spec))
+        self.exit_rng.append(RngState(self.device))
+        self.segment = 2 * call + 2
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.saves.append((self.event, self.segment, t))
+        self.event += 1
+        return t
+
+
+class _BodyOps(TorchFunctionMode):
+    """Labels the results of layer-body ops (outside child calls) by what they read."""
+
+    def __init__(self, trace: _Trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        trace = self.trace
+        if trace.depth:
+            return func(*args, **kwargs)
+        before = len(trace.reads)
+        trace.read((args, kwargs))
+        out = func(*args, **kwargs)
+        if len(trace.reads) > before:
+            trace.label(out, trace.reads[-1][2])
+        return out
+
+
+def record(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device):
+    """Run the layer once as plain autograd under the recorder; returns (output, trace)."""
+    trace = _Trace(device)
+    handles = []
+    for name, child in layer.module.named_children():
+        handles.append(child.register_forward_pre_hook(
+            lambda m, a, k, name=name: trace.enter(name, a, k), with_kwargs=True))
+        handles.append(child.register_forward_hook(lambda m, a, out: trace.leave(out)))
+    try:
+        with _BodyOps(trace), torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t):
+            out = fn(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, trace
+
+
+def discover(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device):
+    """Run a layer call under discovery; returns its output and the verified ``Split``.
+
+    Raises:
+        HiLoReError: a re-run of the layer does not reproduce its saved tensors (state kept
+            across calls), or the ``attn_children`` / ``mlp_children`` override cannot be
+            made exact.
+    """
+    rng = RngState(device)
+    autocast, cache = autocast_state(device.type), torch.is_autocast_cache_enabled()
+    out, trace = record(layer, fn, args, device)
+    after = RngState(device)
+    check = _Checker(layer, fn, args, trace, rng, autocast, cache)
+    try:
+        full = check.verify(None)
+        if full is None:
+            raise HiLoReError(
+                f"decoder layer {layer.name!r} ({type(layer.module).__name__}) cannot be recomputed: "
+                "re-running its forward from the same inputs and RNG state does not reproduce the "
+                "tensors it saved (it keeps state across calls, e.g. a cache or a running "
+                "statistic). Exclude it with 'layer_pattern' in the \"hilore\" block, or disable "
+                "hilore for this model.")
+        split = _choose(layer, trace, check, full)
+    finally:
+        after.restore()  # verification never moves the training RNG
+    logger.debug("ds_hilore: %s -> %d unit(s), calls %s, boundary %s, verified %s",
+                 type(layer.module).__name__, split.n_units, split.calls, split.boundary,
+                 split.verified)
+    return out, split
+
+
+def _choose(layer: LayerUnits, trace: _Trace, check: "_Checker", full: str) -> Split:
+    calls = tuple(trace.calls)
+    if layer.names is not None:  # the override: one fixed split, verified or refused
+        k = _override_split(layer, calls)
+        cut = _cut(trace, k)
+        verified = check.verify(k, cut)
+        if verified is None:
+            raise HiLoReError(
+                f"the 'attn_children' / 'mlp_children' override splits decoder layer "
+                f"{layer.name!r} ({type(layer.module).__name__}) where a re-run of the mlp unit "
+                "does not reproduce its saved tensors. Remove both keys to let ds_hilore find the "
+                "units from the layer's execution.")
+        return Split(calls, 2 * k + 1, cut, _worst(full, verified))
+    for k, cut in _candidates(layer, trace)[:_MAX_VERIFIED]:
+        verified = check.verify(k, cut)
+        if verified is not None:
+            return Split(calls, 2 * k + 1, cut, _worst(full, verified))
+    return Split(calls, None, frozenset(), full)
+
+
+def _worst(a: str, b: str) -> str:
+    return "tolerance" if "tolerance" in (a, b) else "bitwise"
+
+
+def _override_split(layer: LayerUnits, calls: tuple[str, ...]) -> int:
+    positions = [layer.names[c] for c in calls]
+    if 1 not in positions or 0 not in positions or positions != sorted(positions):
+        raise HiLoReError(
+            f"decoder layer {layer.name!r} ({type(layer.module).__name__}) calls its children in "
+            f"the order {list(calls)}: the 'attn_children' must all run before the "
+            "'mlp_children' (a unit is a contiguous run of calls). Remove both keys to let "
+            "ds_hilore find the units from the layer's execution.")
+    return positions.index(1) - 1
+
+
+def _cut(trace: _Trace, k: int) -> frozenset:
+    """First-unit outputs read after a split after call ``k`` (up to the last save)."""
+    boundary = 2 * k + 1
+    last_save = trace.saves[-1][0] if trace.saves else -1
+    cut = set()
+    for event, segment, labels, _ in trace.reads:
+        if segment > boundary and event <= last_save:
+            cut |= {x for x in labels if x[0] <= k}
+    return frozenset(cut)
+
+
+def _candidates(layer: LayerUnits, trace: _Trace) -> list[tuple[int, frozenset]]:
+    weights = {p.untyped_storage().data_ptr() for p in layer.module.parameters() if p.numel()}
+
+    def activation_bytes(saves) -> int:
+        seen = {}
+        for _, _, t in saves:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                seen[ptr] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    ranked = []
+    for k in range(len(trace.calls) - 1):
+        boundary = 2 * k + 1
+        first = [s for s in trace.saves if s[1] <= boundary]
+        second = [s for s in trace.saves if s[1] > boundary]
+        if not activation_bytes(first) or not activation_bytes(second):
+            continue  # a unit that keeps nothing is no unit
+        cut = _cut(trace, k)
+        cut_bytes = sum(trace.outputs[c][0][i].untyped_storage().nbytes() for c, i in cut)
+        # the second unit's first call reads a raw first-unit output: not a residual boundary
+        raw = any(c <= k for _, segment, _, r in trace.reads if segment == 2 * k + 3 for c, _ in r)
+        balance = abs(activation_bytes(first) - activation_bytes(second))
+        ranked.append(((cut_bytes, raw, balance, k), k, cut))
+    return [(k, cut) for _, k, cut in sorted(ranked, key=lambda r: r[0])]
+
+
+class _Checker:
+    """Re-runs the discovery call and compares what it saves (NOTE [ Discovery ])."""
+
+    def __init__(self, layer, fn, args, trace: _Trace, rng, autocast, cache):
+        self.layer, self.fn, self.args, self.trace = layer, fn, args, trace
+        self.rng, self.autocast, self.cache = rng, autocast, cache
+
+    def verify(self, k: int | None, cut: frozenset = frozenset()) -> str | None:
+        """``"bitwise"``, ``"tolerance"`` or None (not reproduced). ``k`` None: a full re-run."""
+        boundary = -1 if k is None else 2 * k + 1
+        expected = [t for _, segment, t in self.trace.saves if segment > boundary]
+        got: list[torch.Tensor] = []
+
+        def on_save(segment: int, t: torch.Tensor) -> None:
+            if segment > boundary:
+                got.append(t.detach())
+                if len(got) == len(expected):
+                    raise StopReplay
+
+        skip = {} if k is None else {c: self._fast_forward(c, cut) for c in range(k + 1)}
+        replay = Replay(self.layer.module, tuple(self.trace.calls), skip, on_save)
+        try:
+            with replay_autocast(self.autocast, self.cache):
+                replay.run(self.fn, self.args, self.rng)
+        except HiLoReError:
+            return None  # the re-run took another path through the children
+        if len(got) != len(expected):
+            return None
+        return _compare(expected, got)
+
+    def _fast_forward(self, call: int, cut: frozenset):
+        leaves, spec = self.trace.outputs[call]
+        kept = [x.detach().requires_grad_(x.requires_grad)
+                if isinstance(x, torch.Tensor) and (call, i) in cut else
+                placeholder(x) if isinstance(x, torch.Tensor) else x
+                for i, x in enumerate(leaves)]
+        rng = self.trace.exit_rng[call]
+
+        def make():
+            rng.restore()
+            return tree_unflatten(kept, spec)
+        return make
+
+
+def _compare(expected: list[torch.Tensor], got: list[torch.Tensor]) -> str | None:
+    result = "bitwise"
+    for a, b in zip(expected, got):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return None
+        if torch.equal(a.detach(), b):
+            continue
+        if not a.is_floating_point() or b.isnan().any() and not a.isnan().any():
+            return None
+        if not torch.allclose(a.detach().float(), b.float(), equal_nan=True, **_TOLERANCE):
+            return None
+        result = "tolerance"
+    return result
+
