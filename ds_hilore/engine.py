@@ -37,7 +37,8 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from ._errors import HiLoReConfigError, HiLoReError
 from .config import HiLoReConfig
 
-__all__ = ["initialize", "TorchDistCollective", "setup_key", "CHECKPOINT_KEY"]
+__all__ = ["initialize", "initialize_with_fallback", "trains", "TorchDistCollective", "setup_key",
+           "CHECKPOINT_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,19 +68,49 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         ``activation_checkpointing`` and ``hilore`` both configured (HiLoRe wins);
         ``memory_budget_bytes`` below what gradient checkpointing needs (falls back to GC).
     """
-    ds_config = _resolve_ds_config(args, config, config_params)
-    hilore_config = HiLoReConfig.from_ds_config(ds_config)
-    if hilore_config.enabled:
-        _check_supported(model, ds_config)
-    engine, ds_optimizer, dataloader, scheduler = deepspeed.initialize(
+    ds_kwargs = dict(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
         mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
         mesh_param=mesh_param, config_params=config_params)
+    return initialize_with_fallback(ds_kwargs, None)
+
+
+def initialize_with_fallback(ds_kwargs: dict, fallback_block: Optional[Mapping]):
+    """``initialize(**ds_kwargs)``, with ``fallback_block`` as the ``"hilore"`` block when the
+    ds_config has none (the variables of NOTE [ Autoload ] in ds_hilore/autoload.py)."""
+    ds_config = _resolve_ds_config(ds_kwargs["args"], ds_kwargs["config"], ds_kwargs["config_params"])
+    if "hilore" not in ds_config and fallback_block is not None:
+        hilore_config = HiLoReConfig.coerce(fallback_block)
+    else:
+        hilore_config = HiLoReConfig.from_ds_config(ds_config)
+    if hilore_config.enabled:
+        _check_supported(ds_kwargs["model"], ds_config)
+    engine, ds_optimizer, dataloader, scheduler = _deepspeed_initialize()(**ds_kwargs)
     engine.hilore = None
     if hilore_config.enabled:
         _attach_runtime(engine, hilore_config)
     return engine, ds_optimizer, dataloader, scheduler
+
+
+def trains(ds_kwargs: Mapping) -> bool:
+    """Whether ``deepspeed.initialize(**ds_kwargs)`` builds a training engine: an optimizer or
+    model_parameters is given, or the ds_config has an "optimizer" block (DeepSpeed then builds
+    one). Reference, reward and EMA engines do not train. A ds_config that cannot be found
+    counts as not training: deepspeed.initialize then reports it."""
+    if ds_kwargs.get("optimizer") is not None or ds_kwargs.get("model_parameters") is not None:
+        return True
+    try:
+        ds_config = _resolve_ds_config(ds_kwargs.get("args"), ds_kwargs.get("config"),
+                                       ds_kwargs.get("config_params"))
+    except (HiLoReConfigError, OSError, ValueError):
+        return False
+    return ds_config.get("optimizer") is not None
+
+
+def _deepspeed_initialize():
+    """DeepSpeed's own ``initialize``, also while the autoload replacement stands in for it."""
+    return getattr(deepspeed.initialize, "deepspeed_initialize", deepspeed.initialize)
 
 
 # ---- configuration ---------------------------------------------------------------------
@@ -124,7 +155,7 @@ def _check_supported(model: Optional[torch.nn.Module], ds_config: Mapping) -> No
             "manages, and the activation_checkpointing block only affects code that calls "
             "deepspeed.checkpointing itself. Fix: remove the activation_checkpointing block, or "
             'set "hilore": {"enabled": false} to use DeepSpeed\'s checkpointing instead.',
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=4)
 
 
 # ---- attaching ---------------------------------------------------------------------------
@@ -256,7 +287,7 @@ def _check_budget(runtime: Any, hilore_config: HiLoReConfig) -> None:
         + ("force_plan is set and overrides the budget, so it is kept. " if forced else
            "HiLoRe falls back to gradient checkpointing (every unit R). ")
         + "Fix: raise memory_budget_bytes, or use memory_budget (a multiple >= 1.0 of GC's peak).",
-        UserWarning, stacklevel=4)
+        UserWarning, stacklevel=5)
     if not forced:
         runtime.set_plan("R")
 

@@ -1,0 +1,115 @@
+"""HiLoRe without changing the training script: ``DS_HILORE=1`` or ``DS_HILORE_CONFIG``.
+
+With one of the variables set (or under ``python -m ds_hilore.run``), every
+``deepspeed.initialize`` that trains is ``ds_hilore.initialize``; engines without an optimizer
+(reference, reward, EMA models) stay plain DeepSpeed engines.
+
+Variables:
+    DS_HILORE         ``1`` / ``true`` / ``yes`` / ``on``: on. ``0`` / ``false`` / ``no`` /
+                      ``off``: off, even when DS_HILORE_CONFIG is set.
+    DS_HILORE_CONFIG  The ``"hilore"`` block for ds_configs that have none: inline JSON
+                      (``'{"force_plan": "H"}'``) or the path of a JSON file holding the block
+                      or a whole ds_config. Setting it also switches HiLoRe on.
+
+The ``"hilore"`` block of the ds_config, when there is one, always wins (``{"enabled": false}``
+there keeps an engine plain); without one the block comes from DS_HILORE_CONFIG, else the
+defaults apply.
+
+# NOTE [ Autoload ]
+# Most GRPO stacks call deepspeed.initialize from code that is not the user's (TRL through
+# accelerate's Accelerator._prepare_deepspeed, OpenRLHF and DeepSpeed-Chat from their own
+# engine builders), so the way in is to replace the function itself before anyone calls it:
+#
+# 1. Installing ds_hilore puts ``ds_hilore_autoload.pth`` into site-packages (setup.py does it
+#    for wheels and for ``pip install -e .``). Python's ``site`` runs its one line at every
+#    interpreter start; the line reads the two variables and, only if one is set, imports
+#    ``_ds_hilore_autoload`` and calls ``install``. Without the variables that is two
+#    dictionary look-ups and no import -- neither torch nor deepspeed (importing deepspeed
+#    early breaks vLLM) nor ds_hilore. ``_ds_hilore_autoload`` is a top-level module of its
+#    own because anything inside this package runs ``ds_hilore/__init__``, which imports torch
+#    and deepspeed; it imports only ``os`` and ``sys``.
+# 2. ``install`` puts a meta-path finder first on ``sys.meta_path``. It answers only for the
+#    top-level name ``deepspeed``: it asks the finders after it for the real spec and wraps the
+#    loader, so that right after deepspeed's ``__init__`` has run -- before any other module
+#    can bind the function with ``from deepspeed import initialize`` -- ``deepspeed.initialize``
+#    is replaced by ``TrainingInitialize`` and the finder removes itself. The module keeps
+#    deepspeed's own loader. ``importlib.util.find_spec("deepspeed")`` (the availability
+#    checks of transformers and accelerate) loads nothing, so the finder stays until the real
+#    import. If deepspeed is already imported, ``install`` replaces the function at once.
+# 3. Each call of the replacement comes here (``initialize``): an engine trains when an
+#    optimizer or model_parameters is passed or the ds_config has an "optimizer" block
+#    (DeepSpeed then builds one); those calls go to ds_hilore.engine, every other call to
+#    deepspeed's own function. ds_hilore.initialize always calls the function that was
+#    replaced (``TrainingInitialize.deepspeed_initialize``), so the two never nest, and an
+#    explicit ds_hilore.initialize in a script run this way attaches HiLoRe once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from _ds_hilore_autoload import ENV_CONFIG, ENV_SWITCH, SWITCH_OFF, TrainingInitialize, install, switched_on
+
+from ._errors import HiLoReConfigError
+
+__all__ = ["ENV_CONFIG", "ENV_SWITCH", "TrainingInitialize", "fallback_block", "initialize", "install",
+           "switched_on"]
+
+SWITCH_ON = ("1", "true", "yes", "on")
+
+
+def initialize(replacement: TrainingInitialize, args: tuple, kwargs: dict) -> Any:
+    """One call of the replaced ``deepspeed.initialize(*args, **kwargs)`` (NOTE [ Autoload ])."""
+    from . import engine
+
+    bound = inspect.signature(replacement.deepspeed_initialize).bind(*args, **kwargs)
+    bound.apply_defaults()
+    ds_kwargs = dict(bound.arguments)
+    if not engine.trains(ds_kwargs):
+        return replacement.deepspeed_initialize(*args, **kwargs)
+    return engine.initialize_with_fallback(ds_kwargs, fallback_block())
+
+
+def fallback_block(environ=os.environ) -> dict:
+    """The ``"hilore"`` block for a ds_config without one: DS_HILORE_CONFIG's, else the defaults.
+
+    Raises:
+        HiLoReConfigError: DS_HILORE is not a switch; DS_HILORE_CONFIG is neither JSON nor a
+            readable JSON file, or does not hold an object.
+    """
+    switch = environ.get(ENV_SWITCH, "").strip()
+    if switch and switch.lower() not in SWITCH_ON + SWITCH_OFF:
+        raise HiLoReConfigError(
+            f"{ENV_SWITCH}={switch!r} is not a switch. Fix: set {ENV_SWITCH}=1 to turn HiLoRe on for "
+            f"every training deepspeed.initialize, {ENV_SWITCH}=0 to turn it off, or unset it.")
+    text = environ.get(ENV_CONFIG, "").strip()
+    return _read_block(text) if text else {}
+
+
+def _read_block(text: str) -> dict:
+    import hjson  # as DeepSpeed reads ds_config files
+
+    inline = text.startswith("{")
+    if not inline and not os.path.isfile(text):
+        raise HiLoReConfigError(
+            f"{ENV_CONFIG}={text!r} is neither inline JSON (it does not start with '{{') nor an existing "
+            f"file. Fix: {ENV_CONFIG}='{{\"force_plan\": \"H\"}}', or the path of a JSON file holding the "
+            '"hilore" block or a whole ds_config.')
+    try:
+        if inline:
+            block = hjson.loads(text)
+        else:
+            with open(text, encoding="utf-8") as f:
+                block = hjson.load(f)
+    except (ValueError, OSError) as err:
+        where = "its inline JSON" if inline else f"the file {text}"
+        raise HiLoReConfigError(f"{ENV_CONFIG}: {where} does not parse: {err}. Fix: write the "
+                                '"hilore" block as a JSON object, e.g. {"force_plan": "H"}.') from None
+    if isinstance(block, dict) and "hilore" in block:
+        block = block["hilore"]  # a whole ds_config
+    if not isinstance(block, dict):
+        raise HiLoReConfigError(f"{ENV_CONFIG} holds {block!r}; the \"hilore\" block must be a JSON object "
+                                'such as {"force_plan": "H"}.')
+    return dict(block)

@@ -1,0 +1,292 @@
+"""The zero-code-change path: the .pth hook, DS_HILORE / DS_HILORE_CONFIG, ``python -m ds_hilore.run``.
+
+Subprocess tests start fresh interpreters of this venv, so they see the installed
+``ds_hilore_autoload.pth`` as every Python process does. The in-process tests build 1-rank
+DeepSpeed engines (as tests/test_engine.py) with ``deepspeed.initialize`` replaced and put
+back afterwards. Whole training stacks are in test_trl.py and test_dschat.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+
+import ds_hilore.engine as engine_mod  # noqa: E402
+from ds_hilore import autoload  # noqa: E402
+from ds_hilore import HiLoReConfigError, find_runtime  # noqa: E402
+from ds_hilore.run import Command, parse  # noqa: E402
+from tests.launch import REPO_ROOT, free_port  # noqa: E402
+from tests.workers import ds_engine_worker as worker  # noqa: E402
+
+PTH = "ds_hilore_autoload.pth"
+PTH_BUDGET_S = 0.005  # what the .pth may add to interpreter start
+_VARIABLES = (autoload.ENV_SWITCH, autoload.ENV_CONFIG)
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def _python(code: str, **env: str) -> dict:
+    """Runs ``code`` in a fresh interpreter of this venv; returns the JSON it prints last."""
+    child_env = {k: v for k, v in os.environ.items() if k not in _VARIABLES + _DIST_ENV}
+    child_env.update(env)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=child_env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _installed_pth() -> Path:
+    for directory in site.getsitepackages():
+        if (Path(directory) / PTH).is_file():
+            return Path(directory) / PTH
+    pytest.fail(f"{PTH} is not in {site.getsitepackages()}: reinstall with pip install -e .")
+
+
+# ---- the .pth at interpreter start ----------------------------------------------------------
+_PROBE = """
+    import json, site, sys, time, os
+    heavy = ("torch", "deepspeed", "ds_hilore", "_ds_hilore_autoload")
+    at_start = {name: name in sys.modules for name in heavy}
+    hook_first = type(sys.meta_path[0]).__name__
+    cost = None
+    if "_ds_hilore_autoload" not in sys.modules:  # what site did at start, timed (variables set here)
+        os.environ.update(json.loads(sys.argv[1]))
+        start = time.perf_counter()
+        site.addpackage(%r, %r, set())
+        cost = time.perf_counter() - start
+    print(json.dumps({"at_start": at_start, "hook_first": hook_first, "cost_s": cost,
+                      "after": {name: name in sys.modules for name in heavy},
+                      "hook_first_after": type(sys.meta_path[0]).__name__}))
+"""
+
+
+def _probe(variables_after_start: dict | None = None, **env: str) -> dict:
+    """A fresh interpreter reports what its start imported; with ``variables_after_start`` it
+    also times the .pth's line with those variables set, as ``site`` runs it. Bytecode may be
+    cached (PYTHONDONTWRITEBYTECODE unset), as on a user's machine after the first start."""
+    pth = _installed_pth()
+    code = textwrap.dedent(_PROBE % (str(pth.parent), pth.name))
+    argv = [json.dumps(variables_after_start or {})]
+    child_env = {k: v for k, v in os.environ.items()
+                 if k not in _VARIABLES + _DIST_ENV + ("PYTHONDONTWRITEBYTECODE",)}
+    child_env.update(env)
+    out = subprocess.run([sys.executable, "-c", code, *argv], env=child_env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_pth_is_installed_and_names_the_hook():
+    line = _installed_pth().read_text()
+    assert line.startswith("import os;") and '__import__("_ds_hilore_autoload").install()' in line
+    assert line.count("\n") == 1  # site runs each line on its own
+
+
+def test_without_the_variables_the_pth_imports_nothing_and_costs_under_5ms():
+    got = _probe()
+    nothing = {"torch": False, "deepspeed": False, "ds_hilore": False, "_ds_hilore_autoload": False}
+    assert got["at_start"] == nothing and got["after"] == nothing
+    assert got["hook_first_after"] != "_DeepSpeedImportHook"
+    print(f"\n.pth cost without the variables: {got['cost_s'] * 1e6:.1f} us")
+    assert got["cost_s"] < PTH_BUDGET_S
+
+
+def test_with_the_variable_the_pth_installs_the_hook_in_under_5ms_without_torch():
+    _probe(variables_after_start={"DS_HILORE": "1"})  # caches the hook module's bytecode
+    got = _probe(variables_after_start={"DS_HILORE": "1"})  # the module loads inside the timing
+    assert got["after"] == {"torch": False, "deepspeed": False, "ds_hilore": False, "_ds_hilore_autoload": True}
+    assert got["hook_first_after"] == "_DeepSpeedImportHook"
+    print(f"\n.pth cost with DS_HILORE=1 (hook module loaded and installed): {got['cost_s'] * 1e3:.2f} ms")
+    assert got["cost_s"] < PTH_BUDGET_S
+    at_start = _probe(DS_HILORE="1")  # the real interpreter start
+    assert at_start["at_start"]["_ds_hilore_autoload"] and not at_start["at_start"]["torch"]
+    assert at_start["hook_first"] == "_DeepSpeedImportHook"
+
+
+def test_ds_hilore_0_keeps_the_hook_out_even_with_a_config():
+    got = _probe(DS_HILORE="0", DS_HILORE_CONFIG='{"force_plan": "H"}')
+    assert got["hook_first"] != "_DeepSpeedImportHook" and not got["at_start"]["deepspeed"]
+
+
+def test_importing_deepspeed_replaces_initialize_once():
+    got = _python("""
+        import importlib.util, importlib.machinery, json, sys
+        hooks = lambda: sum(type(f).__name__ == "_DeepSpeedImportHook" for f in sys.meta_path)
+        importlib.util.find_spec("deepspeed")  # availability checks load nothing ...
+        before = hooks()  # ... and leave the hook in place
+        import deepspeed
+        from deepspeed import initialize
+        print(json.dumps({"before": before, "after": hooks(), "type": type(deepspeed.initialize).__name__,
+                          "same": initialize is deepspeed.initialize,
+                          "loader": type(deepspeed.__loader__).__name__,
+                          "spec_loader": type(deepspeed.__spec__.loader).__name__,
+                          "wrapped": deepspeed.initialize.deepspeed_initialize.__module__,
+                          "doc": deepspeed.initialize.__doc__.strip().splitlines()[0]}))
+    """, DS_HILORE="1")
+    assert got == {"before": 1, "after": 0, "type": "TrainingInitialize", "same": True,
+                   "loader": "SourceFileLoader", "spec_loader": "SourceFileLoader", "wrapped": "deepspeed",
+                   "doc": "Initialize the DeepSpeed Engine."}
+
+
+# ---- switches and the block from the variables --------------------------------------------
+@pytest.mark.parametrize("env,on", [
+    ({}, False), ({"DS_HILORE": "1"}, True), ({"DS_HILORE": "true"}, True), ({"DS_HILORE": "0"}, False),
+    ({"DS_HILORE": "off"}, False), ({"DS_HILORE": " "}, False), ({"DS_HILORE": "2"}, True),
+    ({"DS_HILORE_CONFIG": "{}"}, True), ({"DS_HILORE": "0", "DS_HILORE_CONFIG": "{}"}, False),
+])
+def test_switched_on(env, on):
+    assert autoload.switched_on(env) is on
+
+
+@pytest.fixture
+def variables(monkeypatch):
+    for key in _VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_fallback_block_from_the_variables(tmp_path):
+    assert autoload.fallback_block({"DS_HILORE": "1"}) == {}  # the defaults
+    inline = ' {"force_plan": "H", "low_precision": "none"} '
+    assert autoload.fallback_block({"DS_HILORE_CONFIG": inline}) == {"force_plan": "H", "low_precision": "none"}
+    block = tmp_path / "hilore.json"
+    block.write_text('{"force_plan": "R"}')
+    assert autoload.fallback_block({"DS_HILORE_CONFIG": str(block)}) == {"force_plan": "R"}
+    whole = tmp_path / "ds_config.json"
+    whole.write_text(json.dumps({"zero_optimization": {"stage": 2}, "hilore": {"force_plan": "L"}}))
+    assert autoload.fallback_block({"DS_HILORE_CONFIG": str(whole)}) == {"force_plan": "L"}
+
+
+@pytest.mark.parametrize("env,pattern", [
+    ({"DS_HILORE": "maybe"}, r"DS_HILORE='maybe' is not a switch\. Fix: set DS_HILORE=1"),
+    ({"DS_HILORE_CONFIG": "/no/such/file.json"}, "neither inline JSON .* nor an existing file"),
+    ({"DS_HILORE_CONFIG": '{"force_plan": '}, "its inline JSON does not parse"),
+    ({"DS_HILORE_CONFIG": "[1]"}, "neither inline JSON"),
+    ({"DS_HILORE_CONFIG": '{"hilore": 3}'}, 'holds 3; the "hilore" block must be a JSON object'),
+])
+def test_bad_variables_say_what_to_do(env, pattern):
+    with pytest.raises(HiLoReConfigError, match=pattern):
+        autoload.fallback_block(env)
+
+
+def test_trains():
+    base = dict(args=None, optimizer=None, model_parameters=None, config={"zero_optimization": {}},
+                config_params=None)
+    assert not engine_mod.trains(base)  # reference / reward / EMA engines
+    assert engine_mod.trains({**base, "model_parameters": []})
+    assert engine_mod.trains({**base, "optimizer": object()})
+    assert engine_mod.trains({**base, "config": {"optimizer": {"type": "AdamW"}}})  # DeepSpeed builds it
+    assert not engine_mod.trains({**base, "config": None})  # deepspeed.initialize reports that
+
+
+# ---- python -m ds_hilore.run ----------------------------------------------------------------
+@pytest.mark.parametrize("argv,expected", [
+    (["train.py", "--lr", "1"], Command("train.py", False, ["--lr", "1"])),
+    (["--local_rank=1", "train.py", "--lr", "1"], Command("train.py", False, ["--local_rank=1", "--lr", "1"])),
+    (["--local-rank", "0", "train.py"], Command("train.py", False, ["--local-rank", "0"])),
+    (["-m", "pkg.train", "--x"], Command("pkg.train", True, ["--x"])),
+    (["--local_rank=0", "-m", "pkg.train", "--x"], Command("pkg.train", True, ["--local_rank=0", "--x"])),
+])
+def test_run_parses_launcher_arguments(argv, expected):
+    assert parse(argv) == expected
+
+
+@pytest.mark.parametrize("argv,pattern", [([], "no script given"), (["--lr", "1", "t.py"], "unknown option '--lr'")])
+def test_run_refuses_what_it_cannot_run(argv, pattern):
+    with pytest.raises(SystemExit, match=pattern):
+        parse(argv)
+
+
+def test_run_executes_the_script_as_main_with_initialize_replaced(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        import deepspeed
+        print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0],
+                          "type": type(deepspeed.initialize).__name__}))
+    """))
+    out = subprocess.run([sys.executable, "-m", "ds_hilore.run", "--local_rank=1", str(script), "--lr", "1"],
+                         env={k: v for k, v in os.environ.items() if k not in _VARIABLES}, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"name": "__main__", "argv": [str(script), "--local_rank=1", "--lr", "1"],
+                   "path0": str(tmp_path), "type": "TrainingInitialize"}
+
+
+# ---- deepspeed.initialize replaced, in this process -------------------------------------------
+@pytest.fixture(scope="module")
+def one_rank():
+    """A 1-rank gloo group, as in tests/test_engine.py (the group stays for the session)."""
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def replaced(one_rank, variables):
+    """``deepspeed.initialize`` replaced as ``python -m ds_hilore.run`` does; put back afterwards."""
+    variables.setattr(deepspeed, "initialize", deepspeed.initialize)
+    assert autoload.install(explicit=True)
+    return variables
+
+
+def _ds_config(hilore: dict | None = None, optimizer: bool = True) -> dict:
+    config = json.loads((REPO_ROOT / "ds_configs" / "zero2_gc_baseline.json").read_text())
+    if not optimizer:
+        config.pop("optimizer")
+        config["zero_optimization"]["stage"] = 0
+    return config if hilore is None else {**config, "hilore": hilore}
+
+
+def test_training_engines_get_hilore_the_others_stay_plain(replaced):
+    policy = worker.build_model("full", gc=True)  # as the trainer left it: HF checkpointing on
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=list(policy.parameters()),
+                                      config=_ds_config())
+    assert type(engine).__name__ == "HiLoReDeepSpeedEngine" and engine.hilore.config.force_plan is None
+    assert find_runtime(policy) is engine.hilore
+    reference = worker.build_model("full", gc=False)
+    ref_engine, ref_optimizer, *_ = deepspeed.initialize(model=reference, config=_ds_config(optimizer=False))
+    assert type(ref_engine).__name__ == "DeepSpeedEngine" and ref_optimizer is None
+    assert not hasattr(ref_engine, "hilore") and find_runtime(reference) is None
+    engine.hilore.detach()
+
+
+def test_block_of_the_ds_config_wins_over_the_variable(replaced):
+    replaced.setenv("DS_HILORE_CONFIG", '{"force_plan": "H"}')
+    lm = worker.build_model("full", gc=True)
+    from_variable, *_ = deepspeed.initialize(model=lm, model_parameters=list(lm.parameters()), config=_ds_config())
+    assert from_variable.hilore.config.force_plan == "H"
+    from_variable.hilore.detach()
+    lm = worker.build_model("full", gc=True)
+    off, *_ = deepspeed.initialize(model=lm, model_parameters=list(lm.parameters()),
+                                   config=_ds_config({"enabled": False}))
+    assert type(off).__name__ == "DeepSpeedEngine" and off.hilore is None and find_runtime(lm) is None
+
+
+def test_explicit_ds_hilore_initialize_does_not_nest(replaced):
+    def through_the_replacement(self, *args, **kwargs):
+        raise AssertionError("ds_hilore.initialize called the replaced deepspeed.initialize")
+
+    replaced.setattr(autoload.TrainingInitialize, "__call__", through_the_replacement)
+    lm = worker.build_model("full", gc=False)
+    engine, *_ = engine_mod.initialize(model=lm, model_parameters=list(lm.parameters()),
+                                       config=_ds_config({"force_plan": "R"}))
+    assert engine.hilore.config.force_plan == "R" and find_runtime(lm) is engine.hilore
+    engine.hilore.detach()
