@@ -423,6 +423,12 @@ class LayerFrame:
 
     # ------------------------------------------------------------------ backward
     def _unpack(self, slot: Slot) -> torch.Tensor:
+        if torch.is_grad_enabled():  # backward runs with grad mode on only for create_graph=True
+            raise HiLoReError(
+                "a second-order backward (create_graph=True, or torch.autograd.grad(..., "
+                "create_graph=True)) reached a layer under HiLoRe: its saved tensors are kept "
+                "detached, so higher-order terms would be dropped silently. Run that computation "
+                "with HiLoRe off (model.gradient_checkpointing_disable()).")
         if slot.kind == WEIGHT:
             return slot.weight.get()
         if slot.kind == INPUT:

@@ -137,6 +137,8 @@ class _Kernel:
                 with torch.autocast(args[0].device.type, enabled=False):
                     return self._call(args)
             return self._call(args)
+        except torch.OutOfMemoryError:
+            raise  # not a compiler failure: the eager kernel would run out of memory too
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: fall back, never crash
             root = exc  # dynamo wraps the compiler's own error: report that one
             while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:

@@ -31,7 +31,8 @@ from ._errors import HiLoReError
 from . import discovery
 from .codecs import codec_from_config
 from .bundle import CapturePlan, LayerFrame, hidden_input
-from .storage import Counters, WeightRef
+from .storage import Counters
+from .weights import WeightRecognizer
 from .config import HiLoReConfig
 from .units import LayerUnits, Unit, find_layers, is_checkpointing_layer
 
@@ -79,7 +80,7 @@ class _Microbatch:
         self.index = index
         self.codec = runtime._codec
         self.min_pack_numel = runtime.config.min_pack_numel
-        self.weight_ref = runtime._weight_ref
+        self.weight_ref = runtime._weights
         self.counters = Counters()
         self.frames: dict[int, weakref.ref] = {}  # layer index -> frame
         self.last_layer = -1
@@ -157,14 +158,14 @@ class HiLoReRuntime:
         self._n_microbatches = 0
         self._step: list[dict] = []
         self._last_step: list[dict] | None = None
-        self._verified_casts: dict[tuple[int, torch.dtype], bool] = {}
         self._live_mbs: "weakref.WeakSet[_Microbatch]" = weakref.WeakSet()
         self._warned_leak = False
+        self._warned_cache = False
         self._saved: list = []  # what attach changed, for detach
         if not config.enabled:
             return
         self._layers = find_layers(model, config)
-        self._layer_params = {id(l.module): list(l.module.parameters()) for l in self._layers}
+        self._weights = WeightRecognizer(layer.module for layer in self._layers)
         self._codec = codec_from_config(config)  # None for low_precision "none"
         self._plan_source: Mapping[str, str] | str = "R"  # until the allocator decides: as GC
         self._probing = False
@@ -541,6 +542,7 @@ class HiLoReRuntime:
     def _run_layer(self, layer: LayerUnits, function, args: tuple):
         if not torch.is_grad_enabled():
             return function(*args)
+        function, args = self._without_cache(layer, function, args)
         if layer.split is None:
             return self._discover(layer, function, args)
         mb = self._microbatch_for(layer.index)
@@ -560,6 +562,31 @@ class HiLoReRuntime:
             mb.batch, mb.seq_len = frame.batch, frame.seq_len
             self._summarise(mb)
         return out
+
+    def _without_cache(self, layer: LayerUnits, function, args: tuple):
+        """A layer under HiLoRe must not write a KV cache: its re-run would read the entries the
+        forward wrote (state across calls). transformers drops the cache by argument name under
+        its own checkpointing; here every ``Cache`` argument goes, positional ones included,
+        unless the layer declares that it only reads the cache."""
+        if getattr(layer.module, "_can_checkpoint_with_cache", False):
+            return function, args
+        try:
+            from transformers.cache_utils import Cache
+        except ImportError:
+            return function, args
+        keywords = getattr(function, "keywords", None) or {}
+        if not any(isinstance(x, Cache) for x in (*args, *keywords.values())):
+            return function, args
+        if not self._warned_cache:
+            logger.warning("ds_hilore: the KV cache passed to %s is dropped while HiLoRe is on "
+                           "(a recompute would read what the forward wrote); pass use_cache=False "
+                           "to the training forward to silence this.", type(layer.module).__name__)
+            self._warned_cache = True
+        args = tuple(None if isinstance(x, Cache) else x for x in args)
+        if keywords:
+            function = functools.partial(function.func, *function.args, **{
+                k: None if isinstance(v, Cache) else v for k, v in keywords.items()})
+        return function, args
 
     def _microbatch_for(self, layer_index: int) -> _Microbatch:
         """A layer index not above the previous one starts a new forward: a new microbatch."""
@@ -616,46 +643,6 @@ class HiLoReRuntime:
             raise HiLoReError(f"{where}: action 'L' needs low_precision 'int8' or 'fp8_e4m3' in the "
                               "\"hilore\" block (it is 'none').")
         return action
-
-    def _weight_ref(self, t: torch.Tensor, layer_module: nn.Module) -> WeightRef | None:
-        """A reference when ``t`` is a parameter, a view of one, or an autocast cast of one."""
-        base = t._base if t._base is not None else t
-        if isinstance(base, nn.Parameter):  # the common case: W.t() saved by a matmul
-            return WeightRef(base, None, t)
-        if base.grad_fn is not None:  # autocast cast of a trainable weight: ToCopy <- AccumulateGrad
-            if not type(base.grad_fn).__name__.startswith("ToCopyBackward") or not base.is_contiguous():
-                return None  # an activation
-            source = base.grad_fn.next_functions[0][0] if base.grad_fn.next_functions else None
-            p = getattr(source, "variable", None)
-            params = self._layer_params[id(layer_module)]
-            if p is not None and any(p is q for q in params) and p.shape == base.shape:
-                return WeightRef(p, base.dtype, t)
-            return None
-        params = self._layer_params[id(layer_module)]
-        ptr = t.untyped_storage().data_ptr()
-        for p in params:  # a detached alias of a parameter
-            if p.numel() and p.untyped_storage().data_ptr() == ptr:
-                return WeightRef(p, None, t)
-        if base.requires_grad or not base.is_contiguous():
-            return None
-        for p in params:  # autocast cast of a frozen weight (LoRA base): checked by value
-            if not p.requires_grad and p.shape == base.shape and p.dtype != base.dtype \
-                    and self._is_cast_of(p, base):
-                return WeightRef(p, base.dtype, t)
-        return None
-
-    def _is_cast_of(self, p: nn.Parameter, base: torch.Tensor) -> bool:
-        """Whether ``base`` is ``p`` cast to ``base.dtype``: in full the first time, then sampled."""
-        key = (id(p), base.dtype)
-        if key not in self._verified_casts:
-            self._verified_casts[key] = bool(torch.equal(base, p.detach().to(base.dtype)))
-            return self._verified_casts[key]
-        if not self._verified_casts[key]:
-            return False
-        flat, ref = base.view(-1), p.detach().view(-1)
-        n = min(256, flat.numel())
-        return bool(torch.equal(flat[:n], ref[:n].to(base.dtype))
-                    and torch.equal(flat[-n:], ref[-n:].to(base.dtype)))
 
 
 def _lookup(plan: Mapping[str, str] | str, name: str, default: str) -> str:

@@ -1,8 +1,8 @@
 """What a unit keeps of its saved tensors: whole (H), packed per run of sequences (L), elided (E).
 
 ``Stored`` is one activation storage kept by a unit; ``Slot`` is the handle autograd keeps for
-one saved tensor; ``WeightRef`` rebuilds a weight (never captured: DESIGN.md §4 rule 1).
-The frames that fill and read them are in bundle.py.
+one saved tensor (weights are referenced instead: weights.py). The frames that fill and read
+them are in bundle.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 if TYPE_CHECKING:
@@ -36,22 +35,6 @@ MIN_PACK_GROUP = 16
 
 def stand_in_value(dtype: torch.dtype):
     return 1 if dtype.is_floating_point else 0
-
-
-class WeightRef:
-    """A parameter (or a view or autocast cast of one) referenced, never copied (rule 1)."""
-
-    __slots__ = ("param", "dtype", "size", "stride", "offset")
-
-    def __init__(self, param: nn.Parameter, dtype: torch.dtype | None, t: torch.Tensor):
-        self.param, self.dtype = param, dtype
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-
-    def get(self) -> torch.Tensor:
-        w = self.param.detach()
-        if self.dtype is not None and w.dtype != self.dtype:
-            w = w.to(self.dtype)  # same cast autocast made in forward: bitwise equal
-        return w.as_strided(self.size, self.stride, self.offset)
 
 
 WEIGHT, INPUT, ACT = 0, 1, 2  # what a slot holds

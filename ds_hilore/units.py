@@ -71,7 +71,6 @@ class Split:
         boundary: last segment of the first unit; None when the layer is one unit.
         cut: (call, output leaf) pairs of the first unit that the second unit reads, directly or
             through layer-body code: what a fast-forward of the first unit must hand on.
-        batch_first: per unit, per saved tensor in save order: dim 0 proven to be the batch.
         verified: ``"bitwise"``, or ``"tolerance"`` where the device's own kernels are not
             bitwise reproducible (recompute is then as exact as gradient checkpointing).
     """
@@ -79,7 +78,6 @@ class Split:
     calls: tuple[str, ...]
     boundary: int | None
     cut: frozenset
-    batch_first: tuple[tuple[bool, ...], ...]
     verified: str = "bitwise"
 
     @property

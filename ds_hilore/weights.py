@@ -1,0 +1,92 @@
+"""Weights among the saved tensors: recognised and referenced, never captured.
+
+NOTE [ Weights are never captured ]
+The pack hook does not receive ``nn.Parameter`` objects: it gets a transposed view of a
+trainable weight, a detached alias of a frozen (LoRA base) weight or -- under autocast -- a
+fresh low-precision cast of a weight. Storing them would keep a copy of the model per
+microbatch, and under ZeRO-3 a partitioned parameter's storage is freed after use, so each
+becomes a ``WeightRef`` that rebuilds the tensor from the parameter on unpack.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_MAX_CASTS = 4096  # verified casts remembered; expired ones are dropped beyond this
+
+
+class WeightRef:
+    """A parameter (or a view or autocast cast of one) referenced, never copied.
+
+    The storage offset is kept relative to the tensor the view was taken of (the parameter,
+    or the cast), so a parameter re-gathered elsewhere in a flat buffer (ZeRO-3) still works.
+    """
+
+    __slots__ = ("param", "dtype", "size", "stride", "offset")
+
+    def __init__(self, param: nn.Parameter, dtype: torch.dtype | None, t: torch.Tensor,
+                 origin: torch.Tensor):
+        self.param, self.dtype = param, dtype
+        self.size, self.stride = t.size(), t.stride()
+        self.offset = t.storage_offset() - origin.storage_offset()
+
+    def get(self) -> torch.Tensor:
+        w = self.param.detach()
+        if self.dtype is not None and w.dtype != self.dtype:
+            w = w.to(self.dtype)  # same cast autocast made in forward: bitwise equal
+        return w.as_strided(self.size, self.stride, w.storage_offset() + self.offset)
+
+
+class WeightRecognizer:
+    """``recognizer(t, layer_module)``: a ``WeightRef`` when ``t`` is one of the layer's
+    parameters, a view of one, or an autocast cast of one; else None (an activation)."""
+
+    def __init__(self, modules):
+        self.params = {id(m): list(m.parameters()) for m in modules}
+        self._casts: dict[int, tuple[StorageWeakRef, nn.Parameter]] = {}  # storage ptr -> param
+
+    def __call__(self, t: torch.Tensor, layer_module: nn.Module) -> WeightRef | None:
+        base = t._base if t._base is not None else t
+        if isinstance(base, nn.Parameter):  # the common case: W.t() saved by a matmul
+            return WeightRef(base, None, t, base)
+        params = self.params[id(layer_module)]
+        if base.grad_fn is not None:  # autocast cast of a trainable weight: ToCopy <- AccumulateGrad
+            if not type(base.grad_fn).__name__.startswith("ToCopyBackward") or not base.is_contiguous():
+                return None  # an activation
+            source = base.grad_fn.next_functions[0][0] if base.grad_fn.next_functions else None
+            p = getattr(source, "variable", None)
+            if p is not None and any(p is q for q in params) and p.shape == base.shape:
+                return WeightRef(p, base.dtype, t, base)
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        for p in params:  # a detached alias of a parameter
+            if p.numel() and p.untyped_storage().data_ptr() == ptr:
+                return WeightRef(p, None, t, p)
+        if base.requires_grad or not base.is_contiguous():
+            return None
+        p = self._frozen_cast(base, params)
+        return WeightRef(p, base.dtype, t, base) if p is not None else None
+
+    def _frozen_cast(self, base: torch.Tensor, params) -> nn.Parameter | None:
+        """The frozen parameter ``base`` is an autocast cast of (LoRA base weights).
+
+        Proven by value, in full, against every same-shape candidate; a proven cast is then
+        recognised by its storage for as long as that storage lives (autocast reuses one cast
+        per weight within a forward). Nothing is remembered of a failed comparison.
+        """
+        ptr = base.untyped_storage().data_ptr()
+        hit = self._casts.get(ptr)
+        if hit is not None:
+            if not hit[0].expired() and hit[1].shape == base.shape:
+                return hit[1]
+            del self._casts[ptr]
+        for p in params:
+            if not p.requires_grad and p.shape == base.shape and p.dtype != base.dtype \
+                    and torch.equal(base, p.detach().to(base.dtype)):
+                if len(self._casts) >= _MAX_CASTS:
+                    self._casts = {k: v for k, v in self._casts.items() if not v[0].expired()}
+                self._casts[ptr] = (StorageWeakRef(base.untyped_storage()), p)
+                return p
+        return None
