@@ -23,15 +23,17 @@ grpo/bnpo/dr_grpo do, because HF's Trainer calls ``engine.backward(..., scale_wr
 under DeepSpeed, transformers PR #35808; passing a TRL loss to a plain ``engine.backward`` would
 divide twice). Per loss type:
 
-* grpo    w = 1/(B·|o_i|): L_micro is the mean over its B rows of per-sequence token means, so
+* grpo, sapo  w = 1/(B·|o_i|): L_micro is the mean over its B rows of per-sequence token means, so
           g is that mean over all G·W·B sequences -- TRL's formula over the global batch, as
           long as every micro-batch counts the same B (DeepSpeed's fixed micro-batch size; after
           ``drop_zero_rows`` pass its ``loss_kwargs`` so B stays the original). Empty rows count.
 * dr_grpo w = 1/(B·L_max): g = Σ_all ℓ·m / (G·W·B·L_max), the formula over G·W·B rows.
+* luspo   w = 1/B: L_micro is the mean over its B rows of per-sequence sums, so g is that mean over
+          all G·W·B sequences (each weighted by its length), as long as every micro-batch counts B.
 * bnpo    w = 1/Σm of the micro-batch: g is the mean of per-micro-batch token means. That is
           TRL's definition ("batch" = one process's micro-batch) and is the global token mean
           only when all micro-batches hold equally many tokens; use dapo for the global mean.
-* dapo, cispo  w = 1/num_items_in_batch. The formula is the global token mean
+* dapo, cispo, vespo  w = 1/num_items_in_batch. The formula is the global token mean
           g = Σ_all ∇(ℓ·m) / N,  N = active tokens over all W ranks and all G micro-steps of the
           optimizer step. DeepSpeed divides by G·W, so each micro-step must contribute
           Σ ℓ·m · (G·W)/N, i.e. pass   num_items_in_batch = N / (G·W)   (the mean active-token
@@ -80,7 +82,7 @@ class PolicyLoss:
 
 
 _METRIC_DOCS = {
-    "clip_fraction_low": "share of active tokens (sequence level: rows) clipped below, A < 0",
+    "clip_fraction_low": "share of active tokens (sequence level: rows) clipped below, A < 0 (0 for sapo, vespo)",
     "clip_fraction_high": "share clipped above, A > 0 (cispo: ratio capped at epsilon_high)",
     "clip_fraction_dual": "share with A < 0 and ratio > dual_clip (0 when dual_clip is None)",
     "mean_kl": "mean KL estimate over active tokens (nan without ref_logp)",
@@ -164,6 +166,12 @@ def policy_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: float | Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     batch_size: int | None = None,
     batch_tokens: Tensor | None = None,
     model: torch.nn.Module | None = None,
@@ -180,7 +188,7 @@ def policy_loss(
         old_logp: (B, T) behaviour log-probs, or None for on-policy (TRL: ``logp.detach()``).
         advantages: (B,) per-sequence advantages.
         mask: (B, T) completion mask (bool or 0/1 numbers); rows may be empty.
-        loss_type: one of ``LOSS_TYPES``: grpo, bnpo, dr_grpo, dapo, cispo.
+        loss_type: one of ``LOSS_TYPES``: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo.
         ref_logp: (B, T) reference log-probs; required when ``beta != 0``.
         beta: KL coefficient (>= 0).
         epsilon_low, epsilon_high: clip range ``[1 - low, 1 + high]``; high defaults to low. For
@@ -188,9 +196,15 @@ def policy_loss(
         dual_clip: TRL's ``delta``: the ratio is capped at this value (> 1; TRL recommends > 1 + ε),
             which zeroes the gradient of A < 0 tokens whose ratio exceeds it. Not for cispo.
         kl_estimator: one of ``KL_ESTIMATORS``: k1, k2, k3 (TRL uses k3).
-        importance_sampling_level: one of ``RATIO_LEVELS``: "token", or "sequence" (GSPO).
+        importance_sampling_level: one of ``RATIO_LEVELS``: "token", or "sequence" (GSPO; luspo's
+            recommended level). vespo forms its own sequence weight from the per-token ratios and
+            ignores it, as TRL does.
         max_completion_length: dr_grpo's constant length L_max.
-        num_items_in_batch: dapo/cispo normaliser; see NOTE [ Normalisation under DeepSpeed ].
+        num_items_in_batch: dapo/cispo/vespo normaliser; see NOTE [ Normalisation under DeepSpeed ].
+        sapo_temperature_pos, sapo_temperature_neg: sapo's gate temperatures τ for A > 0 and A <= 0
+            (> 0; TRL's defaults).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's Gamma weight
+            φ(w) = e^λ w^k e^(-λw) for A >= 0 and A < 0 (TRL's defaults).
         batch_size, batch_tokens: normaliser overrides after ``drop_zero_rows`` (its ``loss_kwargs``).
         model: the module that produced ``logp``, to pick its runtime for the hand-off.
 
@@ -203,9 +217,14 @@ def policy_loss(
     """
     variant = _lookup(LOSS_TYPES, loss_type, "loss_type")
     level = _lookup(RATIO_LEVELS, importance_sampling_level, "importance_sampling_level")
+    if variant.token_ratios:
+        level = RATIO_LEVELS["token"]
     kl = _lookup(KL_ESTIMATORS, kl_estimator, "kl_estimator")
     dtype = _check_tensors(logp, old_logp, advantages, mask, ref_logp, beta)
     clip = _clip_from(loss_type, variant.surrogate, epsilon_low, epsilon_high, dual_clip)
+    clip = _gates_from(clip, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                       vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                       vespo_lambda_neg=vespo_lambda_neg)
 
     m = mask.to(dtype)  # (B, T)
     lengths = m.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1) |o_i|
@@ -305,6 +324,13 @@ def _clip_from(loss_type, surrogate: Surrogate, epsilon_low, epsilon_high, dual_
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"policy_loss: dual_clip must be > 1 (TRL recommends > 1 + epsilon_high), got {dual_clip}.")
     return Clip(low=float(epsilon_low), high=float(high), dual=None if dual_clip is None else float(dual_clip))
+
+
+def _gates_from(clip: Clip, **gates: float) -> Clip:
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        if not gates[name] > 0.0:
+            raise ValueError(f"policy_loss: {name} must be > 0 (sapo divides by it), got {gates[name]}.")
+    return dataclasses.replace(clip, **{name: float(value) for name, value in gates.items()})
 
 
 def _check_normaliser(loss_type, needs, norm: Normaliser, rows: int, m: Tensor) -> None:

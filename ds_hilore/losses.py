@@ -20,12 +20,14 @@ the token's own log-ratio; sequence level: the masked mean of the sequence's log
 
 Source followed: huggingface/trl ``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._compute_loss``
 (the version with ``loss_type in ["cispo", "dapo"]`` sharing ``num_items_in_batch``, two-sided
-clipping via ``args.delta``, ``importance_sampling_level``), and ``GRPOConfig``'s field docs.
+clipping via ``args.delta``, ``importance_sampling_level``), and ``GRPOConfig``'s field docs;
+sapo, luspo, vespo and ``GRPOTrainer.get_gamma_weights`` as in TRL 1.16.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -46,12 +48,19 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Clip:
-    """Clipping parameters, TRL's names in brackets: ``low`` (epsilon), ``high`` (epsilon_high),
-    ``dual`` (delta, "two-sided" clipping from INTELLECT-2; None = off)."""
+    """Parameters of the surrogates. Clipping, TRL's names in brackets: ``low`` (epsilon),
+    ``high`` (epsilon_high), ``dual`` (delta, "two-sided" clipping from INTELLECT-2; None = off).
+    The soft gates of sapo and vespo carry TRL's names and defaults."""
 
     low: float
     high: float
     dual: float | None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +134,56 @@ def _cispo_flags(log_weight: Tensor, adv: Tensor, clip: Clip) -> dict[str, Tenso
     return {"low": torch.zeros_like(c, dtype=torch.bool), "high": (c > clip.high) & (adv > 0)}
 
 
+def _sapo_temperatures(adv: Tensor, clip: Clip) -> Tensor:
+    # TRL: torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg), built from two
+    # Python floats, i.e. in the default dtype (fp32) -- kept so, as TRL's values are those.
+    return torch.where(adv > 0, clip.sapo_temperature_pos, clip.sapo_temperature_neg)  # (B, 1)
+
+
+def _sapo_loss(logp: Tensor, log_weight: Tensor, adv: Tensor, clip: Clip) -> Tensor:
+    # TRL: soft_coef_1 = sigmoid(τ · (coef_1 - 1)) · 4 / τ;  per_token_loss = -soft_coef_1 · A
+    tau = _sapo_temperatures(adv, clip)
+    soft_coef_1 = torch.sigmoid(tau * (torch.exp(log_weight) - 1)) * 4 / tau
+    return -soft_coef_1 * adv
+
+
+def _sapo_grads(logp: Tensor, log_weight: Tensor, adv: Tensor, clip: Clip):
+    # d/dlw of -A · (4/τ) · σ(τ(c - 1)), c = exp(lw):  -A · 4 σ (1 - σ) · c   (σ' = σ(1 - σ))
+    c = torch.exp(log_weight)
+    gate = torch.sigmoid(_sapo_temperatures(adv, clip) * (c - 1))
+    return -adv * 4 * gate * (1 - gate) * c, None
+
+
+_VESPO_LOG_W_MIN = math.log(1e-8)  # TRL: the lower clamp of log w, as in the VESPO reference code
+
+
+def _vespo_phi(log_weight: Tensor, adv: Tensor, clip: Clip) -> Tensor:
+    # TRL get_gamma_weights (under no_grad), from the per-token log-ratios (masked ones are 0 here):
+    #   log w = clamp(Σ_t clamp(log_ratio, -20, 20) · m, log 1e-8, 20)      (a sum, not a mean)
+    #   φ(w) = exp(λ + k · log w - λ · w)   (Gamma weight, φ(1) = 1); (k, λ) by A >= 0 or A < 0
+    seq_log_ratio = torch.clamp(log_weight, -20.0, 20.0).sum(-1, keepdim=True)  # (B, 1)
+    log_w = torch.clamp(seq_log_ratio, _VESPO_LOG_W_MIN, 20.0)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, clip.vespo_k_pos, clip.vespo_k_neg)
+    lam = torch.where(nonneg, clip.vespo_lambda_pos, clip.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _vespo_loss(logp: Tensor, log_weight: Tensor, adv: Tensor, clip: Clip) -> Tensor:
+    # TRL: per_token_loss = -φ(w) · A · logp, φ detached
+    return -_vespo_phi(log_weight.detach(), adv, clip) * adv * logp
+
+
+def _vespo_grads(logp: Tensor, log_weight: Tensor, adv: Tensor, clip: Clip):
+    return None, -_vespo_phi(log_weight, adv, clip) * adv
+
+
+def _no_flags(log_weight: Tensor, adv: Tensor, clip: Clip) -> dict[str, Tensor]:
+    # sapo and vespo gate softly: nothing is clipped (TRL logs no clip ratio for them)
+    none = torch.zeros_like(log_weight, dtype=torch.bool)
+    return {"low": none, "high": none}
+
+
 @dataclasses.dataclass(frozen=True)
 class Surrogate:
     name: str
@@ -139,6 +198,8 @@ CLIPPED = Surrogate("clipped", _clipped_loss, _clipped_grads, _clipped_flags,
                     uses_dual_clip=True, needs_epsilon_high=False)
 CISPO = Surrogate("cispo", _cispo_loss, _cispo_grads, _cispo_flags,
                   uses_dual_clip=False, needs_epsilon_high=True)
+SAPO = Surrogate("sapo", _sapo_loss, _sapo_grads, _no_flags, uses_dual_clip=False, needs_epsilon_high=False)
+VESPO = Surrogate("vespo", _vespo_loss, _vespo_grads, _no_flags, uses_dual_clip=False, needs_epsilon_high=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +224,13 @@ def _constant_length(lengths: Tensor, norm: Normaliser) -> Tensor:
     return torch.full((1, 1), scale, dtype=lengths.dtype, device=lengths.device)
 
 
+def _sequence_sum_mean(lengths: Tensor, norm: Normaliser) -> Tensor:
+    # TRL luspo: (ptl * m).sum(-1).mean()  ->  w = 1 / B: a sequence weighs by its length
+    return torch.full((1, 1), 1.0 / norm.batch_size, dtype=lengths.dtype, device=lengths.device)
+
+
 def _global_token_mean(lengths: Tensor, norm: Normaliser) -> Tensor:
-    # TRL dapo / cispo: (ptl * m).sum() / (num_items_in_batch / num_processes); here the caller
+    # TRL dapo / cispo / vespo: (ptl * m).sum() / (num_items_in_batch / num_processes); here the caller
     # passes the already-scaled count -- NOTE [ Normalisation under DeepSpeed ] in ds_hilore.grpo.
     n = torch.as_tensor(norm.num_items_in_batch, dtype=lengths.dtype, device=lengths.device)
     return (1.0 / n).reshape(1, 1)
@@ -177,6 +243,9 @@ class LossType:
     surrogate: Surrogate
     weight: Callable[[Tensor, Normaliser], Tensor]
     needs: tuple[str, ...] = ()  # Normaliser fields that must not be None
+    # The surrogate reads the per-token log-ratios whatever importance_sampling_level says
+    # (vespo forms its own sequence weight from them; TRL ignores the level for it too).
+    token_ratios: bool = False
 
 
 LOSS_TYPES: dict[str, LossType] = {
@@ -185,6 +254,9 @@ LOSS_TYPES: dict[str, LossType] = {
     "dr_grpo": LossType(CLIPPED, _constant_length, needs=("max_completion_length",)),
     "dapo": LossType(CLIPPED, _global_token_mean, needs=("num_items_in_batch",)),
     "cispo": LossType(CISPO, _global_token_mean, needs=("num_items_in_batch",)),
+    "sapo": LossType(SAPO, _per_sequence_mean),
+    "luspo": LossType(CLIPPED, _sequence_sum_mean),
+    "vespo": LossType(VESPO, _global_token_mean, needs=("num_items_in_batch",), token_ratios=True),
 }
 
 

@@ -15,7 +15,7 @@ import torch
 from ds_hilore.grpo import drop_zero_rows, global_num_items, group_advantages, policy_loss, token_logprobs
 from models import tiny_model
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence")
 KLS = (None, "k1", "k2", "k3")  # None: beta = 0 (TRL's default)
 CLIPS = {  # (epsilon_low, epsilon_high, dual_clip); cispo reads epsilon_high as the ratio cap
@@ -32,7 +32,26 @@ L_MAX, N_ITEMS = 12, 37.5
 # ---------------------------------------------------------------------------------------------
 
 
-def reference_loss(logp, old, adv, mask, *, loss_type, ref, beta, kl, level, eps_low, eps_high, delta):
+SAPO_TAU = (1.0, 1.05)  # TRL's defaults (A > 0, A <= 0)
+VESPO_K_LAMBDA = (2.0, 3.0, 3.0, 2.0)  # TRL's defaults: k_pos, lambda_pos, k_neg, lambda_neg
+
+
+@torch.no_grad()
+def gamma_weights(adv, log_ratio, mask, k_pos, lambda_pos, k_neg, lambda_neg):
+    """TRL's GRPOTrainer.get_gamma_weights (VESPO), without the vLLM sampling correction."""
+    log_ratio_clamped = torch.clamp(log_ratio, -20.0, 20.0)
+    seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+    log_w_seq = torch.clamp(seq_log_ratio, math.log(1e-8), 20.0)
+    w_seq = torch.exp(log_w_seq)
+    is_nonneg_adv = adv >= 0
+    k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
+    lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+    log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def reference_loss(logp, old, adv, mask, *, loss_type, ref, beta, kl, level, eps_low, eps_high, delta,
+                   sapo_tau=SAPO_TAU, vespo=VESPO_K_LAMBDA):
     m = mask.to(logp.dtype)
     log_ratio = logp - old
     if level == "token":
@@ -43,6 +62,11 @@ def reference_loss(logp, old, adv, mask, *, loss_type, ref, beta, kl, level, eps
     a = adv.unsqueeze(1)
     if loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=eps_high).detach() * a * logp
+    elif loss_type == "sapo":
+        temperatures = torch.where(a > 0, *sapo_tau)
+        per_token = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * a
+    elif loss_type == "vespo":  # TRL ignores the level here: φ comes from the per-token ratios
+        per_token = -gamma_weights(a, log_ratio, m, *vespo) * a * logp
     else:
         coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
         if delta is not None:
@@ -57,7 +81,11 @@ def reference_loss(logp, old, adv, mask, *, loss_type, ref, beta, kl, level, eps
         return (per_token * m).sum() / m.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * m).sum() / (per_token.size(0) * L_MAX)
-    return (per_token * m).sum() / N_ITEMS  # dapo, cispo
+    if loss_type == "sapo":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "luspo":
+        return (per_token * m).sum(-1).mean()
+    return (per_token * m).sum() / N_ITEMS  # dapo, cispo, vespo
 
 
 def random_batch(seed=0, dtype=torch.float64):
@@ -88,7 +116,9 @@ def loss_kwargs(loss_type, level, kl, clip):
                 max_completion_length=L_MAX, num_items_in_batch=N_ITEMS)
 
 
-GRID = [c for c in itertools.product(LOSS_TYPES, LEVELS, KLS, CLIPS) if not (c[0] == "cispo" and c[3] == "dual")]
+SOFT = ("sapo", "vespo")  # no clipping: one clip setting is enough (dual_clip does not apply)
+GRID = [c for c in itertools.product(LOSS_TYPES, LEVELS, KLS, CLIPS)
+        if not (c[0] == "cispo" and c[3] == "dual") and not (c[0] in SOFT and c[3] != "symmetric")]
 
 
 @pytest.mark.parametrize("loss_type,level,kl,clip", GRID)
@@ -114,6 +144,32 @@ def test_coefficients_equal_autograd_and_loss_equals_reference(loss_type, level,
     if kl is None:  # exact zeros where autograd has exact zeros: A = 0 rows, clipped tokens
         assert ((out.coefficients == 0) == (grad == 0)).all()
         assert (out.coefficients[4:8] == 0).all()
+
+
+@pytest.mark.parametrize("loss_type", ["sapo", "vespo"])
+def test_soft_gates_follow_trl_with_their_parameters_and_clamps(loss_type):
+    """Non-default gate parameters, and log-ratios beyond vespo's clamps (a token above 20, a
+    sequence sum above 20 and one below log 1e-8)."""
+    logp, old, ref, mask, adv = random_batch(seed=1)
+    old = old.clone()
+    old[0] -= 5.0  # row 0: Σ log-ratio > 20
+    old[2] += 5.0  # row 2: Σ log-ratio < log(1e-8)
+    old[3, 0] -= 30.0  # a single token's log-ratio > 20
+    params = dict(sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, vespo_k_pos=1.5, vespo_lambda_pos=2.5,
+                  vespo_k_neg=2.5, vespo_lambda_neg=1.5)
+    logp.requires_grad_(True)
+    out = policy_loss(logp, old, adv, mask, loss_type=loss_type, num_items_in_batch=N_ITEMS, **params)
+    expected = reference_loss(logp, old, adv, mask, loss_type=loss_type, ref=ref, beta=0.0, kl=None, level="token",
+                              eps_low=0.2, eps_high=0.2, delta=None, sapo_tau=(0.5, 2.0), vespo=(1.5, 2.5, 2.5, 1.5))
+    (grad,) = torch.autograd.grad(expected, logp)
+    torch.testing.assert_close(out.loss, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out.coefficients, grad, rtol=1e-6, atol=1e-6 * grad.abs().max())
+    assert ((out.coefficients == 0) == (grad == 0)).all()
+    assert out.metrics["clip_fraction_low"] == out.metrics["clip_fraction_high"] == 0.0
+    if loss_type == "vespo":  # φ(e^20) underflows to 0: row 0 carries no gradient, as in TRL
+        assert (out.coefficients[0] == 0).all() and (out.coefficients[2][mask[2]] != 0).all()
+    with pytest.raises(ValueError, match="sapo_temperature_neg must be > 0"):
+        policy_loss(logp, old, adv, mask, loss_type="sapo", sapo_temperature_neg=0.0)
 
 
 def test_grid_exercises_every_clipping_branch():
@@ -189,7 +245,7 @@ def _call(**over):
 
 
 @pytest.mark.parametrize("key,value,known", [
-    ("loss_type", "ppo", "grpo, bnpo, dr_grpo, dapo, cispo"),
+    ("loss_type", "ppo", "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo"),
     ("importance_sampling_level", "segment", "token, sequence"),
     ("kl_estimator", "k4", "k1, k2, k3"),
 ])
