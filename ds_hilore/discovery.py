@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._errors import HiLoReError
-from .bundle import Replay, RngState, StopReplay, autocast_state, placeholder, replay_autocast
+from .bundle import Replay, RngState, autocast_state, placeholder, replay_autocast
 from .units import LayerUnits, Split
 
 logger = logging.getLogger("ds_hilore")
@@ -50,12 +50,14 @@ _TOLERANCE = dict(rtol=1e-3, atol=1e-5)  # "close" where kernels are not bitwise
 class _Trace:
     """What one decoder-layer call did (NOTE [ Discovery ])."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, is_weight: Callable[[torch.Tensor], bool]):
+        self.device, self.is_weight = device, is_weight
         self.calls: list[str] = []
         self.outputs: list[tuple[list, object]] = []  # (flat leaves, treespec) per call
         self.exit_rng: list[RngState] = []
         self.saves: list[tuple[int, int, torch.Tensor]] = []  # (event, segment, tensor)
+        self.weights: set[int] = set()  # indices into saves that are weights (never compared:
+        # under ZeRO-3 a weight's storage is released after the forward)
         self.reads: list[tuple[int, int, frozenset, frozenset]] = []  # event, segment, labels, raw
         self.segment = 0
         self.event = 0
@@ -106,6 +108,8 @@ class _Trace:
         self.segment = 2 * call + 2
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.is_weight(t):
+            self.weights.add(len(self.saves))
         self.saves.append((self.event, self.segment, t))
         self.event += 1
         return t
@@ -131,9 +135,9 @@ class _BodyOps(TorchFunctionMode):
         return out
 
 
-def record(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device):
+def record(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device, is_weight):
     """Run the layer once as plain autograd under the recorder; returns (output, trace)."""
-    trace = _Trace(device)
+    trace = _Trace(device, is_weight)
     handles = []
     for name, child in layer.module.named_children():
         handles.append(child.register_forward_pre_hook(
@@ -148,8 +152,11 @@ def record(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device):
     return out, trace
 
 
-def discover(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device):
+def discover(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device,
+             is_weight: Callable[[torch.Tensor], bool]):
     """Run a layer call under discovery; returns its output and the verified ``Split``.
+
+    ``is_weight(t)``: whether a saved tensor is a parameter (or a view or cast of one).
 
     Raises:
         HiLoReError: a re-run of the layer does not reproduce its saved tensors (state kept
@@ -158,7 +165,7 @@ def discover(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device)
     """
     rng = RngState(device)
     autocast, cache = autocast_state(device.type), torch.is_autocast_cache_enabled()
-    out, trace = record(layer, fn, args, device)
+    out, trace = record(layer, fn, args, device, is_weight)
     after = RngState(device)
     check = _Checker(layer, fn, args, trace, rng, autocast, cache)
     try:
@@ -226,21 +233,16 @@ def _cut(trace: _Trace, k: int) -> frozenset:
 
 
 def _candidates(layer: LayerUnits, trace: _Trace) -> list[tuple[int, frozenset]]:
-    weights = {p.untyped_storage().data_ptr() for p in layer.module.parameters() if p.numel()}
-
     def activation_bytes(saves) -> int:
-        seen = {}
-        for _, _, t in saves:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in weights:
-                seen[ptr] = t.untyped_storage().nbytes()
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saves}
         return sum(seen.values())
 
+    activations = [s for i, s in enumerate(trace.saves) if i not in trace.weights]
     ranked = []
     for k in range(len(trace.calls) - 1):
         boundary = 2 * k + 1
-        first = [s for s in trace.saves if s[1] <= boundary]
-        second = [s for s in trace.saves if s[1] > boundary]
+        first = [t for _, segment, t in activations if segment <= boundary]
+        second = [t for _, segment, t in activations if segment > boundary]
         if not activation_bytes(first) or not activation_bytes(second):
             continue  # a unit that keeps nothing is no unit
         cut = _cut(trace, k)
@@ -262,14 +264,14 @@ class _Checker:
     def verify(self, k: int | None, cut: frozenset = frozenset()) -> str | None:
         """``"bitwise"``, ``"tolerance"`` or None (not reproduced). ``k`` None: a full re-run."""
         boundary = -1 if k is None else 2 * k + 1
-        expected = [t for _, segment, t in self.trace.saves if segment > boundary]
-        got: list[torch.Tensor] = []
+        expected = [None if i in self.trace.weights else t
+                    for i, (_, segment, t) in enumerate(self.trace.saves) if segment > boundary]
+        got: list[torch.Tensor | None] = []
 
         def on_save(segment: int, t: torch.Tensor) -> None:
+            # no early stop: in a forward, ZeRO-3 expects every module it gathered for to finish
             if segment > boundary:
-                got.append(t.detach())
-                if len(got) == len(expected):
-                    raise StopReplay
+                got.append(None if self.trace.is_weight(t) else t.detach())
 
         skip = {} if k is None else {c: self._fast_forward(c, cut) for c in range(k + 1)}
         replay = Replay(self.layer.module, tuple(self.trace.calls), skip, on_save)
@@ -296,9 +298,13 @@ class _Checker:
         return make
 
 
-def _compare(expected: list[torch.Tensor], got: list[torch.Tensor]) -> str | None:
+def _compare(expected: list, got: list) -> str | None:
     result = "bitwise"
     for a, b in zip(expected, got):
+        if a is None or b is None:  # weights: never compared, but both sides must agree
+            if (a is None) != (b is None):
+                return None
+            continue
         if a.shape != b.shape or a.dtype != b.dtype:
             return None
         if torch.equal(a.detach(), b):

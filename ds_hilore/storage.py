@@ -265,11 +265,14 @@ def row_block(t: torch.Tensor, rows: int, seq_len: int) -> int | None:
 # A first dimension that merely equals B or B*T proves nothing: a (T, B, H) layout or an MoE
 # buffer of tokens permuted by expert can have it, and slicing those "per sequence" would
 # elide other sequences' rows. Accepted: dim 0 is B and a later dimension is T (activations,
-# attention scores, per-token statistics), or the tensor is a view of such a tensor whose
-# storage is batch-major (the flattened input of a linear layer, (B * heads, T, d) operands
-# of a batched matmul); row_block then checks that the view's rows are whole per-sequence
-# blocks of that storage. With B == T, (T, B, ...) cannot be told from (B, T, ...): nothing
-# is sliced.
+# attention scores, per-token statistics); or the tensor flattens leading dimensions of such a
+# tensor -- a view of a batch-major storage (the flattened input of a linear layer), or the
+# result of a reshape whose recorded input was (B, ..., T, ...) (the (B * heads, T, d) operands
+# of a batched matmul); row_block then checks that its rows are whole per-sequence blocks of
+# the storage. With B == T, (T, B, ...) cannot be told from (B, T, ...): nothing is sliced.
+_RESHAPES = ("UnsafeViewBackward0", "ViewBackward0", "ReshapeAliasBackward0")
+
+
 def _batch_first(t: torch.Tensor, batch: int, seq_len: int) -> bool:
     if batch == 1:
         return True
@@ -277,7 +280,13 @@ def _batch_first(t: torch.Tensor, batch: int, seq_len: int) -> bool:
         return False
     if t.shape[0] == batch:
         return seq_len in t.shape[1:]
+    if t.shape[0] % batch:
+        return False
     base = t._base
-    return (base is not None and base.dim() >= 2 and base.shape[0] == batch
-            and seq_len in base.shape[1:] and base.stride(0) * batch == base.numel()
-            and t.shape[0] % batch == 0)
+    if base is not None:
+        return (base.dim() >= 2 and base.shape[0] == batch and seq_len in base.shape[1:]
+                and base.stride(0) * batch == base.numel())
+    node = t.grad_fn
+    sizes = getattr(node, "_saved_self_sym_sizes", None) \
+        if node is not None and type(node).__name__ in _RESHAPES else None
+    return sizes is not None and len(sizes) >= 2 and sizes[0] == batch and seq_len in sizes[1:]

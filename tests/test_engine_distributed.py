@@ -128,6 +128,20 @@ def test_rank_local_zero_advantages_same_plan_on_every_rank(rank_local_zero):
         assert got["changed"]
 
 
+# ---- checked elision is one decision for all ranks -------------------------------------------
+def test_elision_fallback_is_collective_under_zero3():
+    # rank 1 alone has A = 0 sequences, and an entropy bonus reaches them: its H layer must fall
+    # back to R, and under ZeRO-3 rank 0 must re-run that layer too, or the gathers would hang
+    gc_case = "zero3_hilore:full:gc:grpo_entropy_rank1_zero"
+    case = "zero3_hilore:full:mixed:grpo_entropy_rank1_zero"
+    ranks = launch(gc_case, case, timeout=240)
+    for rank in ranks:
+        got, ref = case_result(rank, case), case_result(rank, gc_case)
+        assert got["losses"] == ref["losses"] and got["param_sha"] == ref["param_sha"]
+        for step in got["steps"]:
+            assert step["hilore"]["recomputed_units"] == GAS * UNITS  # layer 0 fell back: all R
+
+
 # ---- the same script under mpirun --------------------------------------------------------
 @pytest.fixture(scope="module")
 def under_mpirun():

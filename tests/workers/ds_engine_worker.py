@@ -45,7 +45,7 @@ VOCAB, SEQ = 128, 16
 # mode -> hilore.force_plan ("gc": no hilore block; "auto": the file's own block)
 FORCE_PLANS = {"H": "H", "L": "L", "R": "R", "mixed": {"*": "R", "model.layers.0.*": "H"}}
 MODES = ("gc", "auto", *FORCE_PLANS)
-LOSSES = ("lm", "grpo_rank0_only")
+LOSSES = ("lm", "grpo_rank0_only", "grpo_entropy_rank1_zero")
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,23 @@ def grpo_rank0_only_loss(engine, ids: torch.Tensor, rank: int) -> torch.Tensor:
     return policy_loss(logp, None, adv, mask, loss_type="grpo", model=engine.module).loss
 
 
-LOSS_FUNCTIONS = {"lm": lm_loss, "grpo_rank0_only": grpo_rank0_only_loss}
+def grpo_entropy_rank1_zero_loss(engine, ids: torch.Tensor, rank: int) -> torch.Tensor:
+    """A = 0 on rank 1 only, plus an entropy bonus that ω does not see: rank 1's elided
+    sequences receive gradient, so its H layers must fall back to R -- on both ranks."""
+    from ds_hilore.grpo import policy_loss
+
+    logits = engine(input_ids=ids).logits.float()  # (B, T, V)
+    logprobs = torch.log_softmax(logits[:, :-1], -1)  # (B, T-1, V)
+    logp = logprobs.gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
+    adv = torch.tensor([1.0, -1.0]) if rank == 0 else torch.zeros(2)  # (B,)
+    mask = torch.ones_like(logp, dtype=torch.bool)  # (B, T-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1).mean()
+    return policy_loss(logp, None, adv, mask, loss_type="grpo", model=engine.module).loss \
+        - 0.01 * entropy
+
+
+LOSS_FUNCTIONS = {"lm": lm_loss, "grpo_rank0_only": grpo_rank0_only_loss,
+                  "grpo_entropy_rank1_zero": grpo_entropy_rank1_zero_loss}
 
 
 # ---- recording --------------------------------------------------------------------------
