@@ -170,6 +170,7 @@ class HiLoReRuntime:
         self._plan_source: Mapping[str, str] | str = "R"  # until the allocator decides: as GC
         self._probing = False
         self._every_n_layers = 1
+        self._last_active = self._layers[-1].index  # the last layer that is HiLoRe's
         self._renumber()
         self._install()
         self._probe()
@@ -464,6 +465,7 @@ class HiLoReRuntime:
         others keep their activations (plain autograd), as transformers defines it."""
         self._switched_on = enable
         self._every_n_layers = every_n_layers
+        self._last_active = self._layers[(len(self._layers) - 1) // every_n_layers * every_n_layers].index
         for position, layer in enumerate(self._layers):
             if is_checkpointing_layer(layer.module):
                 layer.module.gradient_checkpointing = enable and position % every_n_layers == 0
@@ -552,7 +554,7 @@ class HiLoReRuntime:
         mb.last_layer = layer.index
         out = frame.run()
         frame.elision_ok = _gradient_enters_only_through(out)
-        last = layer.index == self._layers[-1].index
+        last = layer.index == self._last_active
         hidden = out if isinstance(out, torch.Tensor) else next(
             (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
         if hidden is not None and hidden.requires_grad:
