@@ -3,7 +3,7 @@
 ``ds_hilore_autoload.pth`` imports this module at interpreter start when DS_HILORE or
 DS_HILORE_CONFIG is set. It holds only what must exist before deepspeed is imported -- the
 switch, the import hook, the stand-in for ``deepspeed.initialize`` -- and imports nothing but
-``sys`` and ``os``, so that it costs well under a millisecond. It lives outside the ds_hilore
+``sys`` and ``os``, so that it costs about a millisecond. It lives outside the ds_hilore
 package because importing anything in the package runs ``ds_hilore/__init__``, which imports
 torch and deepspeed. Everything decided at call time is in ds_hilore/autoload.py.
 """
