@@ -369,7 +369,8 @@ class LayerFrame:
         packable = (block is not None and t.dtype in FLOAT_DTYPES and ptr not in self.boundary
                     and block >= self.ctx.min_pack_numel and self.ctx.codec is not None
                     and group >= MIN_PACK_GROUP)
-        stored = Stored(t, self.batch, block, group or 1, self.ctx.codec, packable, self.ctx.counters)
+        stored = Stored(t, self.batch, block, group or 1, self.ctx.codec, packable, self.ctx.counters,
+                        (weakref.ref(self), pos))
         unit.by_ptr[ptr] = stored  # an address reused after free gets a new entry
         unit.stored.append(stored)
         rows = self.plan.rows[pos] or (self.plan.actions[pos],) * self.batch
@@ -429,6 +430,7 @@ class LayerFrame:
                 "create_graph=True)) reached a layer under HiLoRe: its saved tensors are kept "
                 "detached, so higher-order terms would be dropped silently. Run that computation "
                 "with HiLoRe off (model.gradient_checkpointing_disable()).")
+        self.ctx.settle()  # the microbatch's deferred checks, read once (storage.py)
         if slot.kind == WEIGHT:
             return slot.weight.get()
         if slot.kind == INPUT:

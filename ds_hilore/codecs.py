@@ -89,8 +89,26 @@ class Packed:
     block_size: int  # elements per scale along a row (G for per-token scaling)
     payload: torch.Tensor  # (N, G) int8 | float8_e4m3fn
     scales: torch.Tensor  # (N, ceil(G / block_size)) fp32
-    nbytes: int  # bytes of payload + scales storages
-    rel_error: float  # ||x - unpack(pack(x))||_2 / ||x||_2, measured at pack; 0 for x == 0
+    nbytes: int  # bytes of payload + scales + stats storages
+    stats: torch.Tensor  # (2,) fp64 on x's device: ||x - unpack(pack(x))||^2, ||x||^2
+
+    @property
+    def rel_error(self) -> float:
+        """||x - unpack(pack(x))||_2 / ||x||_2, measured at pack; 0 for x == 0. Reads the
+        device (a host synchronisation): the runtime reads it once per step, for stats."""
+        return relative_errors([self.stats])[0]
+
+    @property
+    def finite(self) -> torch.Tensor:
+        """() bool on the device: x held no NaN or inf (checked without a synchronisation)."""
+        return torch.isfinite(self.stats[1])
+
+
+def relative_errors(stats: list[torch.Tensor]) -> list[float]:
+    """Relative errors of packed tensors from their ``stats``, read from the device at once."""
+    if not stats:
+        return []
+    return [math.sqrt(e / n) if n > 0 else 0.0 for e, n in torch.stack(stats).tolist()]
 
 
 _FAILED = object()  # what _Kernel.compiled returns when compilation failed
@@ -370,24 +388,30 @@ class Codec:
         return max(1, g)
 
     def pack(self, x: torch.Tensor) -> Packed | None:
-        """Pack ``x`` (N, G), contiguous float32/bfloat16/float16; None if x is not all finite."""
+        """Pack ``x`` (N, G), contiguous float32/bfloat16/float16; None if x is not all finite.
+
+        Reads the device once (finiteness); ``pack_async`` does not.
+        """
+        packed = self.pack_async(x)
+        return packed if bool(packed.finite) else None
+
+    def pack_async(self, x: torch.Tensor) -> Packed:
+        """Pack ``x`` without reading the device: whether x was finite is ``Packed.finite``
+        (the payload of a non-finite x is meaningless; the caller must check before use)."""
         _check_input(x)
         n, g = x.shape
         b = self.block_size(g)
         if x.numel() == 0:
             return self._packed(x, b, x.new_empty(x.shape, dtype=self.spec.payload_dtype),
-                                x.new_empty((n, -(-g // b)), dtype=torch.float32), 0.0)
+                                x.new_empty((n, -(-g // b)), dtype=torch.float32),
+                                torch.zeros(2, dtype=torch.float64, device=x.device))
         with torch.no_grad():
             if g % b == 0:  # one scale per row of the (N * nb, b) view
                 q, amax, stats = self._run_encode(self.spec.encode, x.view(n * (g // b), b))
             else:
                 q, amax, stats = self._run_encode(self.spec.encode_ragged, x, b)
-            err2, norm2 = stats.tolist()
-            if not math.isfinite(norm2):  # x holds NaN or inf
-                return None
             scales = _safe_scale(amax.view(n, -1), self.spec.qmax)  # (N, nb) as in the kernel
-        rel_error = math.sqrt(err2 / norm2) if norm2 > 0 else 0.0
-        return self._packed(x, b, q.view(n, g), scales, rel_error)
+        return self._packed(x, b, q.view(n, g), scales, stats)
 
     def unpack(self, p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
         """The (N, G) tensor ``p`` stands for, in ``p.dtype``; written into ``out`` if given."""
@@ -419,10 +443,10 @@ class Codec:
                 self.unpack(p)
 
     # -- internals
-    def _packed(self, x, block_size, payload, scales, rel_error) -> Packed:
+    def _packed(self, x, block_size, payload, scales, stats) -> Packed:
         return Packed(codec=self.name, shape=tuple(x.shape), dtype=x.dtype, block_size=block_size,
                       payload=payload, scales=scales,
-                      nbytes=live_storage_bytes([payload, scales]), rel_error=rel_error)
+                      nbytes=live_storage_bytes([payload, scales, stats]), stats=stats)
 
     def _use_compiled(self, kernel: _Kernel, rows: torch.Tensor) -> bool:
         return (self.backend == "compile" and kernel.failure is None
@@ -448,7 +472,7 @@ class Codec:
 
 
 def _encode_in_chunks(fn, x: torch.Tensor, static: tuple):
-    """Eager encode over row chunks; stops at the first chunk with a non-finite value."""
+    """Eager encode over row chunks (never reads the device)."""
     rows = max(1, _EAGER_CHUNK_NUMEL // x.shape[1])
     if x.shape[0] <= rows:
         return fn(x, *static)
@@ -462,9 +486,7 @@ def _encode_in_chunks(fn, x: torch.Tensor, static: tuple):
             stats = torch.zeros_like(stats_c)
         q[start:stop].copy_(q_c)
         amax[start:stop].copy_(amax_c)
-        stats += stats_c
-        if not torch.isfinite(stats_c[1]):
-            break  # x holds NaN or inf: the caller drops the result
+        stats += stats_c  # NaN or inf once any chunk held them: the caller checks, once
     return q, amax, stats
 
 

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from . import exposure
 from ._errors import HiLoReError
 from . import discovery
-from .codecs import codec_from_config
+from .codecs import codec_from_config, relative_errors
 from .bundle import CapturePlan, LayerFrame, hidden_input
 from .storage import Counters
 from .weights import WeightRecognizer
@@ -100,6 +100,28 @@ class _Microbatch:
 
     def live_frames(self):
         return [f for f in (r() for r in self.frames.values()) if f is not None]
+
+    def settle(self) -> None:
+        """Read the microbatch's deferred checks at once; a unit whose check failed is
+        recomputed instead (NOTE [ One read per microbatch ] in storage.py)."""
+        checks = self.counters.checks
+        if not checks:
+            return
+        self.counters.checks = []
+        flags = [torch.isfinite(x[1]) if what == "nonfinite" else x for x, _, _, what in checks]
+        passed = torch.stack(flags).tolist()  # the one read of the device
+        for ok, (_, frame_ref, pos, what) in zip(passed, checks):
+            frame = frame_ref()
+            if ok or frame is None:
+                continue
+            if what == "nonfinite":
+                self.counters.nonfinite_slices += 1
+            else:
+                logger.warning("ds_hilore: a saved tensor of %s looked like a weight cast but is "
+                               "not one; the unit is recomputed instead (exact).",
+                               frame.layer.units[pos].name)
+            if frame.plan.actions[pos] != "R":
+                frame.downgrade(pos, "R")
 
 
 class _LayerCall:
@@ -413,10 +435,8 @@ class HiLoReRuntime:
                "grad_error_est": None, "grad_error_measured": None}
         for key in ("recomputed_units", "pack_s", "unpack_s", "recompute_s", "nonfinite_slices"):
             out[key] = sum(m[key] for m in mbs)
-        errors = [e for m in mbs for e in m["_rel_errors"]]
+        errors = relative_errors([e for m in mbs for e in m.pop("_packed_stats")])
         out["packed_rel_error_max"] = max(errors, default=0.0)
-        for m in mbs:
-            m.pop("_rel_errors", None)
         return out
 
     def end_step(self) -> None:
@@ -628,7 +648,7 @@ class HiLoReRuntime:
         return {"index": summary.get("index"), "actions": dict(summary.get("actions", {})),
                 "bytes": dict(summary.get("bytes", {})), "recomputed_units": c.recomputed_units,
                 "pack_s": c.pack_s, "unpack_s": c.unpack_s, "recompute_s": c.recompute_s,
-                "nonfinite_slices": c.nonfinite_slices, "_rel_errors": list(c.rel_errors),
+                "nonfinite_slices": c.nonfinite_slices, "_packed_stats": list(c.packed_stats),
                 "exposure_source": summary.get("exposure_source"),
                 "exact_zero_sequences": summary.get("exact_zero_sequences", 0)}
 

@@ -44,12 +44,18 @@ class Counters:
     """What the frames of one microbatch measured (added up as they run)."""
 
     __slots__ = ("pack_s", "unpack_s", "recompute_s", "recomputed_units", "nonfinite_slices",
-                 "rel_errors")
+                 "packed_stats", "checks")
 
     def __init__(self):
         self.pack_s = self.unpack_s = self.recompute_s = 0.0  # seconds
         self.recomputed_units = self.nonfinite_slices = 0
-        self.rel_errors: list[float] = []  # relative L2 error of each packed slice
+        self.packed_stats: list[torch.Tensor] = []  # Packed.stats of each packed run (device)
+        # NOTE [ One read per microbatch ]: conditions that the forward cannot check without
+        # reading the device (a packed run was finite, a weight cast is what it looks like)
+        # are kept here as device booleans with (frame ref, unit position, what) and read
+        # together at the first unpack of the backward; a unit whose check fails is
+        # recomputed instead (its layer's inputs are always kept), so nothing is ever wrong.
+        self.checks: list[tuple[torch.Tensor, object, int, str]] = []
 
 
 class Slot:
@@ -99,11 +105,12 @@ class Stored:
     """
 
     __slots__ = ("base", "rows", "block", "group", "parts", "pending", "slots", "buffer", "nbytes",
-                 "dtype", "device", "codec", "packable", "weak", "counters")
+                 "dtype", "device", "codec", "packable", "weak", "counters", "owner")
 
     def __init__(self, t: torch.Tensor, rows: int, block: int | None, group: int, codec,
-                 packable: bool, counters: "Counters"):
+                 packable: bool, counters: "Counters", owner: tuple | None = None):
         self.packable, self.counters = packable, counters
+        self.owner = owner  # (weak ref of the frame, unit position): who falls back to R
         self.base = t.detach().as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
         self.rows, self.block, self.group, self.codec = rows, block, group, codec
         self.parts: list | None = None
@@ -173,27 +180,25 @@ class Stored:
         per_seq = run.packed.shape[0] // (run.stop - run.start)  # packed rows per sequence
         lo, hi = (start - run.start) * per_seq, (stop - run.start) * per_seq
         payload, scales = run.packed.payload[lo:hi].clone(), run.packed.scales[lo:hi].clone()
-        packed = dataclasses.replace(run.packed, payload=payload, scales=scales,
+        stats = run.packed.stats.clone()  # the whole run's error: an upper estimate, for stats
+        packed = dataclasses.replace(run.packed, payload=payload, scales=scales, stats=stats,
                                      shape=(hi - lo, run.packed.shape[1]),
-                                     nbytes=payload.untyped_storage().nbytes()
-                                     + scales.untyped_storage().nbytes())
+                                     nbytes=sum(x.untyped_storage().nbytes()
+                                                for x in (payload, scales, stats)))
         return PackedRows(packed, start, stop)
 
     def _pack_run(self, rows: torch.Tensor, start: int, parts: list) -> None:
-        """Pack sequences ``start ..`` (rows: (n, block), contiguous) into ``parts``."""
+        """Pack sequences ``start ..`` (rows: (n, block), contiguous) into ``parts``; whether
+        they were finite is checked later, with every other check of the microbatch (NOTE
+        [ One read per microbatch ]): a non-finite run sends its unit to R."""
         begin = time.perf_counter()
-        packed = self.codec.pack(rows.view(-1, self.group))  # (tokens, features)
+        packed = self.codec.pack_async(rows.view(-1, self.group))  # (tokens, features)
         self.counters.pack_s += time.perf_counter() - begin
-        if packed is not None:
-            run = PackedRows(packed, start, start + rows.shape[0])
-            parts[start:run.stop] = [run] * rows.shape[0]
-            self.counters.rel_errors.append(float(packed.rel_error))
-        elif rows.shape[0] > 1:  # non-finite somewhere: find the sequence, pack the others
-            for k in range(rows.shape[0]):
-                self._pack_run(rows[k:k + 1], start + k, parts)
-        else:  # this sequence stays exact; its non-finite values are never propagated
-            self.counters.nonfinite_slices += 1
-            parts[start] = rows[0].clone()
+        run = PackedRows(packed, start, start + rows.shape[0])
+        parts[start:run.stop] = [run] * rows.shape[0]
+        self.counters.packed_stats.append(packed.stats)
+        if self.owner is not None:
+            self.counters.checks.append((packed.stats, *self.owner, "nonfinite"))
 
     def view(self, spec) -> torch.Tensor:
         if self.parts is None:
