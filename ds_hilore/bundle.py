@@ -282,7 +282,8 @@ class LayerFrame:
                                   "must give one action per sequence of the next microbatch.")
         self.elided_rows: set[int] = set()  # sequences with zero loss coefficients
         self.elision_ok = True  # gradient enters only through the output (runtime decides)
-        self.elision_checked = False  # _on_layer_grad checks elided rows (same on every rank)
+        self.elision_checked = False  # the backward checks elided rows (same on every rank)
+        self.check_every_layer = False  # hidden states are recorded: check this layer too
         self.skip_zero_recompute = False  # every rank agreed: all sequences elided
 
     # ------------------------------------------------------------------ forward
@@ -348,6 +349,9 @@ class LayerFrame:
         if weight is not None:
             slot = Slot(self, pos, WEIGHT)
             slot.weight = weight
+            if weight.proof is not None:  # read once per microbatch (storage.py)
+                self.ctx.counters.checks.append((weight.proof, weakref.ref(self), pos, "cast"))
+                weight.proof = None
         elif t.untyped_storage().data_ptr() in self.input_ptrs:
             slot = Slot(self, pos, INPUT)
             slot.ref = t.detach()

@@ -380,8 +380,9 @@ def _metrics(omega: Tensor, m: Tensor, flags: dict[str, Tensor], kl_value: Tenso
     mass = omega.abs()[active].double()  # (n,)
     k = max(1, math.ceil(0.1 * mass.numel()))
     total = mass.sum()
-    values["top10_share"] = mass.topk(k).values.sum() / total if total > 0 else nan
-    return {key: float(v) for key, v in values.items()}
+    values["top10_share"] = torch.where(total > 0, mass.topk(k).values.sum() / total, nan.double())
+    read = torch.stack([v.detach().double().to(omega.device) for v in values.values()]).tolist()
+    return dict(zip(values, read))  # one read of the device for all metrics
 
 
 def _hand_off(coefficients: Tensor, logp: Tensor, model: torch.nn.Module | None = None) -> None:

@@ -33,6 +33,7 @@ from .codecs import codec_from_config, relative_errors
 from .bundle import CapturePlan, LayerFrame, hidden_input
 from .storage import Counters
 from .weights import WeightRecognizer
+from .elision import Elision
 from .config import HiLoReConfig
 from .units import LayerUnits, Unit, find_layers, is_checkpointing_layer
 
@@ -93,6 +94,7 @@ class _Microbatch:
         self.batch: int | None = None  # sequences of the forward
         self.seq_len: int | None = None  # hidden positions of the forward
         self.summary: dict[str, Any] = {}
+        self.late_leaks: list[torch.Tensor] = []  # per-layer elision checks, read at the end
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)
@@ -181,9 +183,10 @@ class HiLoReRuntime:
         self._step: list[dict] = []
         self._last_step: list[dict] | None = None
         self._live_mbs: "weakref.WeakSet[_Microbatch]" = weakref.WeakSet()
-        self._warned_leak = False
+        self._elision = Elision(self)
         self._warned_cache = False
         self._saved: list = []  # what attach changed, for detach
+        self._hooks: list = []  # hook handles attach registered, for detach
         if not config.enabled:
             return
         self._layers = find_layers(model, config)
@@ -218,6 +221,9 @@ class HiLoReRuntime:
             else:
                 obj.__dict__.pop(name, None)
         self._saved.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         if self._last_toggle is not None:  # the user's last switch holds for HF checkpointing
             original, enable, every_n_layers, kwargs = self._last_toggle
             original(enable=enable, every_n_layers=every_n_layers, **kwargs)
@@ -323,7 +329,7 @@ class HiLoReRuntime:
         mb.coefficients = coefficients.detach()
         if self.config.exposure_source == "hidden_grad":
             return  # the user asked for the automatic source only
-        self._apply_exposure(mb, mb.coefficients, offset, source="analytic")
+        self._elision.apply(mb, mb.coefficients, offset, source="analytic")
 
     def _microbatch_of(self, logp: torch.Tensor | None) -> "_Microbatch | None":
         """The live microbatch whose last layer output ``logp`` was computed from."""
@@ -354,75 +360,6 @@ class HiLoReRuntime:
     def token_weights(self) -> torch.Tensor | None:
         """|ω| (analytic) or ‖∂L/∂h_t‖ (automatic) of the current microbatch on hidden positions (B, T)."""
         return None if self._mb is None else self._mb.token_weights
-
-    def _apply_exposure(self, mb: _Microbatch, coefficients: torch.Tensor, offset, source: str):
-        frames = mb.live_frames()
-        if not frames:
-            return
-        abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
-        zero = exposure.zero_rows(abs_omega)
-        all_zero = len(zero) == abs_omega.shape[0] and all(f.elision_ok for f in frames)
-        if source == "analytic" and self.collective is not None:  # every rank must agree
-            all_zero = self.collective.all_reduce_max([0 if all_zero else 1])[0] == 0
-        mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
-        for frame in frames:
-            frame.skip_zero_recompute = all_zero and source == "analytic"
-            # the same on every rank (plans are synced): whether _on_layer_grad checks, and so
-            # whether it takes part in the collective decision there
-            frame.elision_checked = frame.elision_ok and (
-                frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
-            frame.elided_rows = set(zero) if frame.elision_checked else set()
-            for pos, unit in enumerate(frame.layer.units):
-                if frame.plan.actions[pos] == "R":
-                    continue
-                if zero and frame.elision_checked:
-                    frame.downgrade(pos, "E", zero)
-                norms = frame.units[pos].token_norms
-                if norms is not None and norms.shape == abs_omega.shape:
-                    covered = exposure.window(abs_omega, coefficients.shape[1], offset)
-                    weights = exposure.token_weights(norms, covered)
-                    mb.exposure[unit.name] = exposure.slice_exposure(abs_omega, weights)
-        self._summarise(mb)
-
-    def _on_hidden_grad(self, mb: _Microbatch, grad: torch.Tensor) -> None:
-        """Automatic exposure source: fires after the LM-head backward, before any layer's."""
-        if self.config.exposure_source == "analytic":
-            return
-        if self.config.exposure_source == "auto" and mb.coefficients is not None:
-            return
-        if grad.dim() == 3 and grad.shape[:2] == (mb.batch, mb.seq_len):
-            self._apply_exposure(mb, exposure.hidden_grad_norms(grad), 0, source="hidden_grad")
-
-    def _on_layer_grad(self, mb: _Microbatch, frame_ref, last: bool, grad: torch.Tensor) -> None:
-        """Gradient at a layer's output, before any of the layer's backward runs.
-
-        NOTE [ Checked elision ]: sequences are elided because the loss coefficients say their
-        gradient is zero; a loss with terms ω does not see (an entropy bonus, a loss on an
-        intermediate hidden state) breaks that. Each layer checks the gradient that actually
-        arrives: if an elided sequence gets any, the layer's units fall back to R (its inputs
-        are kept), which is exact.
-        """
-        if last:
-            self._on_hidden_grad(mb, grad)
-        frame = frame_ref()
-        if frame is None or not frame.elision_checked or grad.dim() < 2:
-            return
-        rows = sorted(frame.elided_rows)
-        leaks = bool(rows) and bool(grad.detach()[rows].abs().amax() > 0)
-        if self.collective is not None:  # one decision for all ranks: a re-run under ZeRO-3
-            leaks = self.collective.all_reduce_max([int(leaks)])[0] > 0  # gathers parameters
-        if not leaks:
-            return
-        if not self._warned_leak:
-            logger.warning("ds_hilore: sequences with zero loss coefficients get gradient from other "
-                           "loss terms; their layers are recomputed instead (exact, slower). Hand "
-                           "the full loss's coefficients, or set exposure_source to 'hidden_grad'.")
-            self._warned_leak = True
-        frame.elided_rows = set()
-        frame.skip_zero_recompute = False
-        for pos, action in enumerate(frame.plan.actions):
-            if action != "R":
-                frame.downgrade(pos, "R")
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -474,8 +411,20 @@ class HiLoReRuntime:
             if PreTrainedModel and isinstance(module, PreTrainedModel):
                 self._remember(module, "_set_gradient_checkpointing")
                 module._set_gradient_checkpointing = _Toggle(self, module._set_gradient_checkpointing)
+        # the leaf module running names the weight an autocast cast comes from (weights.py)
+        for layer in self._layers:
+            for leaf in layer.module.modules():
+                if next(leaf.children(), None) is None and next(leaf.parameters(False), None) is not None:
+                    self._hooks.append(leaf.register_forward_pre_hook(self._enter_leaf))
+                    self._hooks.append(leaf.register_forward_hook(self._leave_leaf))
         self.attached = True
         _ATTACHED.add(self)
+
+    def _enter_leaf(self, module, args) -> None:
+        self._weights.leaf = module
+
+    def _leave_leaf(self, module, args, output) -> None:
+        self._weights.leaf = None
 
     def _remember(self, obj, name: str) -> None:
         self._saved.append((obj, name, name in obj.__dict__, obj.__dict__.get(name)))
@@ -573,12 +522,12 @@ class HiLoReRuntime:
         mb.frames[layer.index] = weakref.ref(frame)
         mb.last_layer = layer.index
         out = frame.run()
-        frame.elision_ok = _gradient_enters_only_through(out)
+        frame.elision_ok, frame.check_every_layer = _gradient_entry(out)
         last = layer.index == self._last_active
         hidden = out if isinstance(out, torch.Tensor) else next(
             (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
         if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(functools.partial(self._on_layer_grad, mb, weakref.ref(frame), last))
+            hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, weakref.ref(frame), last))
             if last:
                 mb.last_hidden_fn = id(hidden.grad_fn)
         if last:
@@ -694,19 +643,20 @@ def _sum_dicts(dicts) -> dict[str, int]:
     return out
 
 
-def _gradient_enters_only_through(out) -> bool:
-    """Whether gradient can reach a layer's interior only through its hidden-state output.
+def _gradient_entry(out) -> tuple[bool, bool]:
+    """(elision allowed, check at every layer) for a layer call (NOTE [ Checked elision ]).
 
-    Not so when the layer returns more than one tensor that requires grad (a loss on attention
-    weights) or when transformers records internal outputs (router logits for an MoE auxiliary
-    loss, attentions): the elision check at the layer output would not see that gradient, so
-    such layers never elide (NOTE [ Checked elision ]).
+    Elision is off when the layer returns more than one tensor that requires grad (a loss on
+    attention weights) or when transformers records internal outputs (router logits for an MoE
+    auxiliary loss, attentions): gradient would enter where no check sees it. When it records
+    hidden states, a loss may use any layer's output: every layer checks.
     """
     if sum(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten(out)[0]) > 1:
-        return False
+        return False, False
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
-        return True
-    collected = _active_collector.get()
-    return not collected or all(key == "hidden_states" or key.startswith("_") for key in collected)
+        return True, False
+    collected = _active_collector.get() or {}
+    internal = any(key != "hidden_states" and not key.startswith("_") for key in collected)
+    return not internal, "hidden_states" in collected

@@ -24,11 +24,12 @@ class WeightRef:
     or the cast), so a parameter re-gathered elsewhere in a flat buffer (ZeRO-3) still works.
     """
 
-    __slots__ = ("param", "dtype", "size", "stride", "offset")
+    __slots__ = ("param", "dtype", "size", "stride", "offset", "proof")
 
     def __init__(self, param: nn.Parameter, dtype: torch.dtype | None, t: torch.Tensor,
-                 origin: torch.Tensor):
+                 origin: torch.Tensor, proof: torch.Tensor | None = None):
         self.param, self.dtype = param, dtype
+        self.proof = proof  # () bool on the device, read later: the cast is what it seems
         self.size, self.stride = t.size(), t.stride()
         self.offset = t.storage_offset() - origin.storage_offset()
 
@@ -46,6 +47,7 @@ class WeightRecognizer:
     def __init__(self, modules):
         self.params = {id(m): list(m.parameters()) for m in modules}
         self._casts: dict[int, tuple[StorageWeakRef, nn.Parameter]] = {}  # storage ptr -> param
+        self.leaf: nn.Module | None = None  # the leaf module running now (the runtime's hooks)
 
     def __call__(self, t: torch.Tensor, layer_module: nn.Module) -> WeightRef | None:
         base = t._base if t._base is not None else t
@@ -66,27 +68,37 @@ class WeightRecognizer:
                 return WeightRef(p, None, t, p)
         if base.requires_grad or not base.is_contiguous():
             return None
-        p = self._frozen_cast(base, params)
-        return WeightRef(p, base.dtype, t, base) if p is not None else None
+        return self._frozen_cast(t, base, params)
 
-    def _frozen_cast(self, base: torch.Tensor, params) -> nn.Parameter | None:
-        """The frozen parameter ``base`` is an autocast cast of (LoRA base weights).
+    def _frozen_cast(self, t: torch.Tensor, base: torch.Tensor, params) -> WeightRef | None:
+        """A reference when ``base`` is an autocast cast of a frozen parameter (LoRA base).
 
-        Proven by value, in full, against every same-shape candidate; a proven cast is then
-        recognised by its storage for as long as that storage lives (autocast reuses one cast
-        per weight within a forward). Nothing is remembered of a failed comparison.
+        The leaf module running now names the one candidate: its reference carries a proof
+        computed on the device (a full comparison), read with the microbatch's other checks
+        (NOTE [ One read per microbatch ] in storage.py); a failed proof sends the unit to R.
+        Without a single candidate, every same-shape one is compared in full at once. A proven
+        cast is then recognised by its storage while it lives; nothing is remembered of a
+        failed comparison.
         """
         ptr = base.untyped_storage().data_ptr()
         hit = self._casts.get(ptr)
         if hit is not None:
             if not hit[0].expired() and hit[1].shape == base.shape:
-                return hit[1]
+                return WeightRef(hit[1], base.dtype, t, base)
             del self._casts[ptr]
+
+        def candidate(p):
+            return not p.requires_grad and p.shape == base.shape and p.dtype != base.dtype
+
+        local = [p for p in self.leaf.parameters(recurse=False) if candidate(p)] \
+            if self.leaf is not None else []
+        if len(local) == 1 and any(local[0] is q for q in params):
+            p = local[0]
+            return WeightRef(p, base.dtype, t, base, proof=(base == p.detach().to(base.dtype)).all())
         for p in params:
-            if not p.requires_grad and p.shape == base.shape and p.dtype != base.dtype \
-                    and torch.equal(base, p.detach().to(base.dtype)):
+            if candidate(p) and torch.equal(base, p.detach().to(base.dtype)):
                 if len(self._casts) >= _MAX_CASTS:
                     self._casts = {k: v for k, v in self._casts.items() if not v[0].expired()}
                 self._casts[ptr] = (StorageWeakRef(base.untyped_storage()), p)
-                return p
+                return WeightRef(p, base.dtype, t, base)
         return None

@@ -109,8 +109,8 @@ def test_automatic_source_sees_the_last_hidden_gradient_first():
         for child in ("self_attn", "mlp"):
             getattr(layer, child).register_full_backward_hook(
                 lambda m, gi, go, name=f"{i}.{child}": order.append(name))
-    on_grad = runtime._on_hidden_grad
-    runtime._on_hidden_grad = lambda mb, grad: (order.append("hidden"), on_grad(mb, grad))[1]
+    on_grad = runtime._elision._on_hidden_grad
+    runtime._elision._on_hidden_grad = lambda mb, grad: (order.append("hidden"), on_grad(mb, grad))[1]
     last = {}
     model.model.layers[-1].register_forward_hook(lambda m, a, out: last.update(h=out) or out.retain_grad())
     torch.manual_seed(0)

@@ -1,0 +1,140 @@
+"""Exposure and elision for one runtime: where the loss coefficients of a microbatch act.
+
+``apply`` runs when the coefficients ω of a microbatch are known -- from the loss
+(``set_coefficients``) or, for any loss, from the gradient arriving at the last hidden state --
+and elides the sequences whose ω is exactly zero (NOTE [ Exact zeros ] in storage.py).
+``on_layer_grad`` then checks, in the backward, that nothing else reaches them.
+
+NOTE [ Checked elision ]
+Sequences are elided because ω says their gradient is zero; a loss term ω does not see (an
+entropy bonus, a KL on the logits) breaks that. The check reads the gradient that actually
+arrives at the last HiLoRe layer's output, before any layer's backward runs: if an elided
+sequence gets any, every layer that elided falls back to R (its inputs are kept), which is
+exact. One read of the device per microbatch, and under several ranks one all-reduce: the
+decision is collective, because a rank that re-runs a layer under ZeRO-3 gathers
+parameters the others must gather too. Gradient entering lower down -- a loss on an
+intermediate hidden state -- is checked at every layer when transformers records hidden
+states (a read per layer, in that case only); gradient entering through internal outputs
+(router logits, attentions) turns elision off for those layers at the forward. Anything else
+(a user hook keeping an intermediate hidden state for its own loss) is caught by flags
+collected on the device at every layer and read once when the backward ends: an error, before
+the optimizer can step on a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import exposure
+from ._errors import HiLoReError
+
+logger = logging.getLogger("ds_hilore")
+
+
+class Elision:
+    """The exposure / elision plumbing of a ``HiLoReRuntime`` (NOTE [ Checked elision ])."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self._warned = False
+
+    # ------------------------------------------------------------------ coefficients known
+    def apply(self, mb, coefficients: torch.Tensor, offset, source: str) -> None:
+        """Exposure per unit and sequence, and elision of the sequences whose ω is zero."""
+        frames = mb.live_frames()
+        if not frames:
+            return
+        collective = self.runtime.collective
+        abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
+        zero = exposure.zero_rows(abs_omega)
+        all_zero = len(zero) == abs_omega.shape[0] and all(f.elision_ok for f in frames)
+        if source == "analytic" and collective is not None:  # every rank must agree
+            all_zero = collective.all_reduce_max([0 if all_zero else 1])[0] == 0
+        mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
+        for frame in frames:
+            frame.skip_zero_recompute = all_zero and source == "analytic"
+            # the same on every rank (plans are synced): whether the backward checks, and so
+            # whether it takes part in the collective decision there
+            frame.elision_checked = frame.elision_ok and (
+                frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
+            frame.elided_rows = set(zero) if frame.elision_checked else set()
+            for pos, unit in enumerate(frame.layer.units):
+                if frame.plan.actions[pos] == "R":
+                    continue
+                if zero and frame.elision_checked:
+                    frame.downgrade(pos, "E", zero)
+                norms = frame.units[pos].token_norms
+                if norms is not None and norms.shape == abs_omega.shape:
+                    covered = exposure.window(abs_omega, coefficients.shape[1], offset)
+                    weights = exposure.token_weights(norms, covered)
+                    mb.exposure[unit.name] = exposure.slice_exposure(abs_omega, weights)
+        self.runtime._summarise(mb)
+
+    def _on_hidden_grad(self, mb, grad: torch.Tensor) -> None:
+        """Automatic exposure source: fires after the LM-head backward, before any layer's."""
+        source = self.runtime.config.exposure_source
+        if source == "analytic" or (source == "auto" and mb.coefficients is not None):
+            return
+        if grad.dim() == 3 and grad.shape[:2] == (mb.batch, mb.seq_len):
+            self.apply(mb, exposure.hidden_grad_norms(grad), 0, source="hidden_grad")
+
+    # ------------------------------------------------------------------ backward
+    def on_layer_grad(self, mb, frame_ref, last: bool, grad: torch.Tensor) -> None:
+        """Gradient at a HiLoRe layer's output, before any of the layer's backward runs."""
+        if last:
+            self._on_hidden_grad(mb, grad)
+            self._check_at_top(mb, grad)
+            return
+        frame = frame_ref()
+        if frame is None or not frame.elided_rows or grad.dim() < 2:
+            return
+        rows = sorted(frame.elided_rows)
+        leak = grad.detach()[rows].abs().amax() > 0  # () bool on the device
+        if frame.check_every_layer:  # transformers records hidden states: read it here
+            if self._decide(bool(leak), collective=False):
+                self._fall_back([frame])
+        else:
+            mb.late_leaks.append(leak)
+
+    def _check_at_top(self, mb, grad: torch.Tensor) -> None:
+        frames = [f for f in mb.live_frames() if f.elision_checked]
+        if not frames or grad.dim() < 2:
+            return
+        rows = sorted(set().union(*(f.elided_rows for f in frames)))
+        leaks = bool(rows) and bool(grad.detach()[rows].abs().amax() > 0)  # the one read
+        if self._decide(leaks, collective=True):
+            self._fall_back(frames)
+        elif any(f.elided_rows for f in frames):
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._late_check(mb))
+
+    def _decide(self, leaks: bool, collective: bool) -> bool:
+        if collective and self.runtime.collective is not None:  # one decision for all ranks
+            leaks = self.runtime.collective.all_reduce_max([int(leaks)])[0] > 0
+        if leaks and not self._warned:
+            logger.warning("ds_hilore: sequences with zero loss coefficients get gradient from other "
+                           "loss terms; their layers are recomputed instead (exact, slower). Hand "
+                           "the full loss's coefficients, or set exposure_source to 'hidden_grad'.")
+            self._warned = True
+        return leaks
+
+    @staticmethod
+    def _fall_back(frames) -> None:
+        for frame in frames:
+            frame.elided_rows = set()
+            frame.skip_zero_recompute = False
+            for pos, action in enumerate(frame.plan.actions):
+                if action != "R":
+                    frame.downgrade(pos, "R")
+
+    @staticmethod
+    def _late_check(mb) -> None:
+        leaks, mb.late_leaks = mb.late_leaks, []
+        if leaks and bool(torch.stack(leaks).any()):
+            raise HiLoReError(
+                "gradient reached sequences whose loss coefficients are zero through an "
+                "intermediate layer's hidden state (a loss on it that transformers did not "
+                "record); their activations had been elided, so this backward's gradients are "
+                "wrong and the step must not be taken. Compute that loss from "
+                "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss.")
