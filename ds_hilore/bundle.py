@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 import weakref
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -237,6 +236,30 @@ def hidden_input(args: tuple, keywords: dict) -> torch.Tensor:
     if not tensors:
         raise HiLoReError("a decoder layer was called without any tensor argument")
     return tensors[0]
+
+
+def drop_cache(module: nn.Module, function: Callable, args: tuple):
+    """(function, args, dropped): every transformers ``Cache`` argument replaced by None.
+
+    A layer under HiLoRe must not write a KV cache: its re-run would read the entries the
+    forward wrote (state across calls). transformers drops the cache by argument name under its
+    own checkpointing; here every ``Cache`` goes, positional ones included, unless the layer
+    declares that it only reads the cache (``_can_checkpoint_with_cache``).
+    """
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return function, args, False
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:
+        return function, args, False
+    keywords = getattr(function, "keywords", None) or {}
+    if not any(isinstance(x, Cache) for x in (*args, *keywords.values())):
+        return function, args, False
+    args = tuple(None if isinstance(x, Cache) else x for x in args)
+    if keywords:
+        function = functools.partial(function.func, *function.args, **{
+            k: None if isinstance(v, Cache) else v for k, v in keywords.items()})
+    return function, args, True
 
 
 class _Unit:
@@ -466,12 +489,12 @@ class LayerFrame:
             if all(c in self.ff for c in calls):
                 skip = {c: self.ff[c] for c in calls}
         stop = next((c for c in range(len(self.calls)) if self.split.unit_of_call(c) > last), None)
-        start = time.perf_counter()
         self.rc_need = need
         for unit in self.units:
             unit.rc_count = 0
         replay = Replay(self.layer.module, tuple(self.calls), skip, self._recompute_pack, stop)
-        with replay_autocast(self.autocast, self.autocast_cache):
+        with self.ctx.counters.timed("recompute_s", self.device), \
+                replay_autocast(self.autocast, self.autocast_cache):
             replay.run(self.fn, self.args, self.rng)
         for p in need:
             if self.units[p].rc_count != len(self.units[p].shapes):
@@ -479,7 +502,6 @@ class LayerFrame:
                           f"tensors, forward saved {len(self.units[p].shapes)}")
         self.ff.clear()  # used; a second backward re-runs those units
         self.ctx.counters.recomputed_units += len(need)
-        self.ctx.counters.recompute_s += time.perf_counter() - start
 
     def _recompute_pack(self, segment: int, t: torch.Tensor) -> None:
         pos = self.split.unit_of_segment(segment)

@@ -34,6 +34,7 @@ import logging
 from typing import Callable
 
 import torch
+import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -44,6 +45,7 @@ from .units import LayerUnits, Split
 logger = logging.getLogger("ds_hilore")
 
 _MAX_VERIFIED = 4  # candidate splits tried, best first
+_PROBE_SHAPE = (2, 8)  # (B, T) of the token ids the attach-time probe forward runs on
 _TOLERANCE = dict(rtol=1e-3, atol=1e-5)  # "close" where kernels are not bitwise reproducible
 
 
@@ -133,6 +135,49 @@ class _BodyOps(TorchFunctionMode):
         if len(trace.reads) > before:
             trace.label(out, trace.reads[-1][2])
         return out
+
+
+def probe(root: nn.Module) -> str | None:
+    """Run one small training-mode forward of the transformers model inside ``root``, so that
+    every layer call goes through discovery at attach; None, or why it could not run.
+
+    The input is known for a causal LM (token ids). The layers' inputs require grad, as in
+    training (frozen embeddings under LoRA would otherwise save less). RNG streams and module
+    modes are left as they were, and nothing is kept.
+
+    Raises:
+        HiLoReError: a layer was refused or an override could not be verified.
+    """
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return "no transformers model to probe"
+    model = next((m for m in root.modules() if isinstance(m, PreTrainedModel)), None)
+    if model is None:
+        return f"{type(root).__name__} holds no transformers model to probe"
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None) or 2
+    ids = torch.randint(vocab, _PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(device)
+    modes = [(m, m.training) for m in root.modules()]
+    devices = [device.index or 0] if device.type not in ("cpu", "meta") else []
+    embeddings = model.get_input_embeddings()
+    hook = embeddings.register_forward_hook(lambda m, a, out: out.requires_grad_(True)) \
+        if embeddings is not None else None
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device.type), torch.enable_grad():
+            root.train()
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except HiLoReError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- a model-specific input need: discover later
+        return f"the probe forward of {type(model).__name__} failed ({type(exc).__name__}: {exc})"
+    finally:
+        if hook is not None:
+            hook.remove()
+        for module, training in modes:
+            module.training = training
+    return None
 
 
 def record(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device, is_weight):

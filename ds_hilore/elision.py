@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from . import exposure
 from ._errors import HiLoReError
@@ -138,3 +139,22 @@ class Elision:
                 "record); their activations had been elided, so this backward's gradients are "
                 "wrong and the step must not be taken. Compute that loss from "
                 "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss.")
+
+
+def gradient_entry(out) -> tuple[bool, bool]:
+    """(elision allowed, check at every layer) for a layer call (NOTE [ Checked elision ]).
+
+    Elision is off when the layer returns more than one tensor that requires grad (a loss on
+    attention weights) or when transformers records internal outputs (router logits for an MoE
+    auxiliary loss, attentions): gradient would enter where no check sees it. When it records
+    hidden states, a loss may use any layer's output: every layer checks.
+    """
+    if sum(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten(out)[0]) > 1:
+        return False, False
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return True, False
+    collected = _active_collector.get() or {}
+    internal = any(key != "hidden_states" and not key.startswith("_") for key in collected)
+    return not internal, "hidden_states" in collected

@@ -24,16 +24,16 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from . import exposure
 from ._errors import HiLoReError
 from . import discovery
 from .codecs import codec_from_config, relative_errors
-from .bundle import CapturePlan, LayerFrame, hidden_input
+from .bundle import CapturePlan, LayerFrame, drop_cache, hidden_input
+from .microbatch import Microbatch
 from .storage import Counters
 from .weights import WeightRecognizer
-from .elision import Elision
+from .elision import Elision, gradient_entry
 from .config import HiLoReConfig
 from .units import LayerUnits, Unit, find_layers, is_checkpointing_layer
 
@@ -43,7 +43,6 @@ ACTIONS = ("H", "L", "R")
 _ATTACHED: "weakref.WeakSet[HiLoReRuntime]" = weakref.WeakSet()
 _MAX_MICROBATCHES_KEPT = 64
 _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
-_PROBE_SHAPE = (2, 8)  # (B, T) of the token ids the attach-time discovery forward runs on
 
 
 def attach(model: nn.Module, config: HiLoReConfig | Mapping | str | None = None) -> "HiLoReRuntime":
@@ -72,58 +71,6 @@ def find_runtime(model: nn.Module | None = None) -> "HiLoReRuntime | None":
                 return rt
         return None
     return live[0] if len(live) == 1 else None
-
-
-class _Microbatch:
-    """Per-microbatch state: the layer frames, the coefficients, the measurements."""
-
-    def __init__(self, index: int, runtime: "HiLoReRuntime"):
-        self.index = index
-        self.codec = runtime._codec
-        self.min_pack_numel = runtime.config.min_pack_numel
-        self.weight_ref = runtime._weights
-        self.counters = Counters()
-        self.frames: dict[int, weakref.ref] = {}  # layer index -> frame
-        self.last_layer = -1
-        self.coefficients: torch.Tensor | None = None
-        self.exposure: dict[str, torch.Tensor] = {}  # unit name -> (B,) E_{u,i}
-        self.token_weights: torch.Tensor | None = None  # (B, T) |ω| on hidden positions
-        self.source: str | None = None
-        self.zero_rows: list[int] = []
-        self.last_hidden_fn: int | None = None  # id of the last layer output's grad_fn
-        self.batch: int | None = None  # sequences of the forward
-        self.seq_len: int | None = None  # hidden positions of the forward
-        self.summary: dict[str, Any] = {}
-        self.late_leaks: list[torch.Tensor] = []  # per-layer elision checks, read at the end
-
-    def frame(self, layer_index: int) -> LayerFrame | None:
-        ref = self.frames.get(layer_index)
-        return ref() if ref is not None else None
-
-    def live_frames(self):
-        return [f for f in (r() for r in self.frames.values()) if f is not None]
-
-    def settle(self) -> None:
-        """Read the microbatch's deferred checks at once; a unit whose check failed is
-        recomputed instead (NOTE [ One read per microbatch ] in storage.py)."""
-        checks = self.counters.checks
-        if not checks:
-            return
-        self.counters.checks = []
-        flags = [torch.isfinite(x[1]) if what == "nonfinite" else x for x, _, _, what in checks]
-        passed = torch.stack(flags).tolist()  # the one read of the device
-        for ok, (_, frame_ref, pos, what) in zip(passed, checks):
-            frame = frame_ref()
-            if ok or frame is None:
-                continue
-            if what == "nonfinite":
-                self.counters.nonfinite_slices += 1
-            else:
-                logger.warning("ds_hilore: a saved tensor of %s looked like a weight cast but is "
-                               "not one; the unit is recomputed instead (exact).",
-                               frame.layer.units[pos].name)
-            if frame.plan.actions[pos] != "R":
-                frame.downgrade(pos, "R")
 
 
 class _LayerCall:
@@ -178,11 +125,11 @@ class HiLoReRuntime:
         self._plan: dict[str, str] = {}
         self._rows: dict[str, tuple[str, ...]] = {}
         self._codec = None
-        self._mb: _Microbatch | None = None
+        self._mb: Microbatch | None = None
         self._n_microbatches = 0
         self._step: list[dict] = []
         self._last_step: list[dict] | None = None
-        self._live_mbs: "weakref.WeakSet[_Microbatch]" = weakref.WeakSet()
+        self._live_mbs: "weakref.WeakSet[Microbatch]" = weakref.WeakSet()
         self._elision = Elision(self)
         self._warned_cache = False
         self._saved: list = []  # what attach changed, for detach
@@ -331,7 +278,7 @@ class HiLoReRuntime:
             return  # the user asked for the automatic source only
         self._elision.apply(mb, mb.coefficients, offset, source="analytic")
 
-    def _microbatch_of(self, logp: torch.Tensor | None) -> "_Microbatch | None":
+    def _microbatch_of(self, logp: torch.Tensor | None) -> "Microbatch | None":
         """The live microbatch whose last layer output ``logp`` was computed from."""
         live = [mb for mb in list(self._live_mbs) if mb.live_frames()]
         if logp is not None and logp.grad_fn is not None and len(live) > 1:
@@ -442,49 +389,19 @@ class HiLoReRuntime:
 
     # ------------------------------------------------------------------ discovery
     def _probe(self) -> None:
-        """Find every layer's units now, with one small forward (NOTE [ Discovery ]).
-
-        Only for transformers models (the input is known: token ids); other models, or a probe
-        that fails, find their units at the first training forward instead. The probe runs in
-        training mode with gradients, leaves the RNG streams and module modes as they were, and
-        keeps nothing.
-        """
-        try:
-            from transformers import PreTrainedModel
-        except ImportError:
+        """Find every layer's units now, with one small forward (``discovery.probe``); other
+        models, or a probe that fails, find their units at the first training forward."""
+        if all(layer.split is not None for layer in self._layers):
             return
-        model = next((m for m in self.model.modules() if isinstance(m, PreTrainedModel)), None)
-        if model is None or all(layer.split is not None for layer in self._layers):
-            return
-        param = next(model.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
-        vocab = getattr(model.config.get_text_config(), "vocab_size", None) or 2
-        ids = torch.randint(vocab, _PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(device)
-        modes = [(m, m.training) for m in self.model.modules()]
-        devices = [device.index or 0] if device.type not in ("cpu", "meta") else []
-        # the layers' inputs require grad, as in training (embeddings may be frozen: LoRA),
-        # so every op saves what it saves in training
-        embeddings = model.get_input_embeddings()
-        hook = embeddings.register_forward_hook(lambda m, a, out: out.requires_grad_(True)) \
-            if embeddings is not None else None
         self._probing = True
         try:
-            with torch.random.fork_rng(devices=devices, device_type=device.type), torch.enable_grad():
-                self.model.train()
-                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-        except HiLoReError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- any model-specific input need: discover later
-            logger.info("ds_hilore: probe forward of %s failed (%s: %s); recovery units will be "
-                        "found at the first training forward.", type(model).__name__,
-                        type(exc).__name__, exc)
+            failure = discovery.probe(self.model)
         finally:
             self._probing = False
-            if hook is not None:
-                hook.remove()
-            for module, training in modes:
-                module.training = training
             self._mb, self._step, self._n_microbatches = None, [], 0
+        if failure:
+            logger.info("ds_hilore: %s; recovery units will be found at the first training "
+                        "forward.", failure)
 
     def _discover(self, layer: LayerUnits, function, args: tuple):
         device = hidden_input(args, getattr(function, "keywords", {})).device
@@ -522,7 +439,7 @@ class HiLoReRuntime:
         mb.frames[layer.index] = weakref.ref(frame)
         mb.last_layer = layer.index
         out = frame.run()
-        frame.elision_ok, frame.check_every_layer = _gradient_entry(out)
+        frame.elision_ok, frame.check_every_layer = gradient_entry(out)
         last = layer.index == self._last_active
         hidden = out if isinstance(out, torch.Tensor) else next(
             (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
@@ -536,34 +453,18 @@ class HiLoReRuntime:
         return out
 
     def _without_cache(self, layer: LayerUnits, function, args: tuple):
-        """A layer under HiLoRe must not write a KV cache: its re-run would read the entries the
-        forward wrote (state across calls). transformers drops the cache by argument name under
-        its own checkpointing; here every ``Cache`` argument goes, positional ones included,
-        unless the layer declares that it only reads the cache."""
-        if getattr(layer.module, "_can_checkpoint_with_cache", False):
-            return function, args
-        try:
-            from transformers.cache_utils import Cache
-        except ImportError:
-            return function, args
-        keywords = getattr(function, "keywords", None) or {}
-        if not any(isinstance(x, Cache) for x in (*args, *keywords.values())):
-            return function, args
-        if not self._warned_cache:
+        function, args, dropped = drop_cache(layer.module, function, args)
+        if dropped and not self._warned_cache:
             logger.warning("ds_hilore: the KV cache passed to %s is dropped while HiLoRe is on "
                            "(a recompute would read what the forward wrote); pass use_cache=False "
                            "to the training forward to silence this.", type(layer.module).__name__)
             self._warned_cache = True
-        args = tuple(None if isinstance(x, Cache) else x for x in args)
-        if keywords:
-            function = functools.partial(function.func, *function.args, **{
-                k: None if isinstance(v, Cache) else v for k, v in keywords.items()})
         return function, args
 
-    def _microbatch_for(self, layer_index: int) -> _Microbatch:
+    def _microbatch_for(self, layer_index: int) -> Microbatch:
         """A layer index not above the previous one starts a new forward: a new microbatch."""
         if self._mb is None or layer_index <= self._mb.last_layer:
-            self._mb = _Microbatch(self._n_microbatches, self)
+            self._mb = Microbatch(self._n_microbatches, self)
             self._live_mbs.add(self._mb)
             self._n_microbatches += 1
             self._step.append(self._mb.summary)
@@ -576,7 +477,7 @@ class HiLoReRuntime:
         rows = [self._rows.get(u.name) for u in layer.units]
         return CapturePlan(actions, rows)
 
-    def _summarise(self, mb: _Microbatch) -> None:
+    def _summarise(self, mb: Microbatch) -> None:
         actions, nbytes = {a: 0 for a in "HLRE"}, {a: 0 for a in "HLRE"}
         for layer in self._layers:
             frame = mb.frame(layer.index)
@@ -593,7 +494,7 @@ class HiLoReRuntime:
 
     @staticmethod
     def _microbatch_stats(summary: dict) -> dict[str, Any]:
-        c: Counters = summary.get("counters") or Counters()
+        c: Counters = (summary.get("counters") or Counters()).resolve()
         return {"index": summary.get("index"), "actions": dict(summary.get("actions", {})),
                 "bytes": dict(summary.get("bytes", {})), "recomputed_units": c.recomputed_units,
                 "pack_s": c.pack_s, "unpack_s": c.unpack_s, "recompute_s": c.recompute_s,
@@ -641,22 +542,3 @@ def _sum_dicts(dicts) -> dict[str, int]:
         for k, v in d.items():
             out[k] = out.get(k, 0) + v
     return out
-
-
-def _gradient_entry(out) -> tuple[bool, bool]:
-    """(elision allowed, check at every layer) for a layer call (NOTE [ Checked elision ]).
-
-    Elision is off when the layer returns more than one tensor that requires grad (a loss on
-    attention weights) or when transformers records internal outputs (router logits for an MoE
-    auxiliary loss, attentions): gradient would enter where no check sees it. When it records
-    hidden states, a loss may use any layer's output: every layer checks.
-    """
-    if sum(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten(out)[0]) > 1:
-        return False, False
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return True, False
-    collected = _active_collector.get() or {}
-    internal = any(key != "hidden_states" and not key.startswith("_") for key in collected)
-    return not internal, "hidden_states" in collected

@@ -7,6 +7,7 @@ them are in bundle.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -44,7 +45,7 @@ class Counters:
     """What the frames of one microbatch measured (added up as they run)."""
 
     __slots__ = ("pack_s", "unpack_s", "recompute_s", "recomputed_units", "nonfinite_slices",
-                 "packed_stats", "checks")
+                 "packed_stats", "checks", "events")
 
     def __init__(self):
         self.pack_s = self.unpack_s = self.recompute_s = 0.0  # seconds
@@ -56,6 +57,34 @@ class Counters:
         # together at the first unpack of the backward; a unit whose check fails is
         # recomputed instead (its layer's inputs are always kept), so nothing is ever wrong.
         self.checks: list[tuple[torch.Tensor, object, int, str]] = []
+        self.events: list = []  # (counter, start, end) CUDA events, resolved when read
+
+    @contextlib.contextmanager
+    def timed(self, name: str, device: torch.device):
+        """Add the block's time to the counter ``name`` (seconds). On CUDA with device events:
+        the wall clock would measure only the kernel launches. Read via ``resolve``."""
+        if device.type != "cuda":
+            begin = time.perf_counter()
+            try:
+                yield
+            finally:
+                setattr(self, name, getattr(self, name) + time.perf_counter() - begin)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end.record()
+            self.events.append((name, start, end))
+
+    def resolve(self) -> "Counters":
+        """Fold the recorded device events into the counters (waits for them: stats time)."""
+        for name, start, end in self.events:
+            end.synchronize()
+            setattr(self, name, getattr(self, name) + start.elapsed_time(end) / 1000.0)
+        self.events = []
+        return self
 
 
 class Slot:
@@ -191,9 +220,8 @@ class Stored:
         """Pack sequences ``start ..`` (rows: (n, block), contiguous) into ``parts``; whether
         they were finite is checked later, with every other check of the microbatch (NOTE
         [ One read per microbatch ]): a non-finite run sends its unit to R."""
-        begin = time.perf_counter()
-        packed = self.codec.pack_async(rows.view(-1, self.group))  # (tokens, features)
-        self.counters.pack_s += time.perf_counter() - begin
+        with self.counters.timed("pack_s", rows.device):
+            packed = self.codec.pack_async(rows.view(-1, self.group))  # (tokens, features)
         run = PackedRows(packed, start, start + rows.shape[0])
         parts[start:run.stop] = [run] * rows.shape[0]
         self.counters.packed_stats.append(packed.stats)
@@ -204,20 +232,22 @@ class Stored:
         if self.parts is None:
             return self.base.as_strided(*spec)
         if self.buffer is None:
-            start = time.perf_counter()
-            buffer = torch.empty(self.rows * self.block, dtype=self.dtype, device=self.device)
-            blocks = buffer.view(self.rows, self.block)  # (B, block)
-            for run in {id(p): p for p in self.parts if isinstance(p, PackedRows)}.values():
-                # each run decoded once, straight into place
-                self.codec.unpack(run.packed, out=blocks[run.start:run.stop].view(-1, self.group))
-            for i, part in enumerate(self.parts):
-                if part is None:
-                    blocks[i].fill_(stand_in_value(self.dtype))
-                elif isinstance(part, torch.Tensor):
-                    blocks[i].copy_(part)
-            self.buffer = buffer
-            self.counters.unpack_s += time.perf_counter() - start
+            with self.counters.timed("unpack_s", self.device):
+                self.buffer = self._decode()
         return self.buffer.as_strided(*spec)
+
+    def _decode(self) -> torch.Tensor:
+        buffer = torch.empty(self.rows * self.block, dtype=self.dtype, device=self.device)
+        blocks = buffer.view(self.rows, self.block)  # (B, block)
+        for run in {id(p): p for p in self.parts if isinstance(p, PackedRows)}.values():
+            # each run decoded once, straight into place
+            self.codec.unpack(run.packed, out=blocks[run.start:run.stop].view(-1, self.group))
+        for i, part in enumerate(self.parts):
+            if part is None:
+                blocks[i].fill_(stand_in_value(self.dtype))
+            elif isinstance(part, torch.Tensor):
+                blocks[i].copy_(part)
+        return buffer
 
     def bytes_by_action(self) -> dict[str, int]:
         """Bytes held now, by the action of the row blocks holding them."""
