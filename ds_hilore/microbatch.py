@@ -35,6 +35,7 @@ class Microbatch:
         self.seq_len: int | None = None  # hidden positions of the forward
         self.summary: dict[str, Any] = {}
         self.late_leaks: list[torch.Tensor] = []  # per-layer elision checks, read at the end
+        self.packed: bool | None = None  # several sequences per row (NOTE [ Packed sequences ])
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)

@@ -132,6 +132,7 @@ class HiLoReRuntime:
         self._live_mbs: "weakref.WeakSet[Microbatch]" = weakref.WeakSet()
         self._elision = Elision(self)
         self._warned_cache = False
+        self._warned_packed = False
         self._saved: list = []  # what attach changed, for detach
         self._hooks: list = []  # hook handles attach registered, for detach
         if not config.enabled:
@@ -435,6 +436,8 @@ class HiLoReRuntime:
         if layer.split is None:
             return self._discover(layer, function, args)
         mb = self._microbatch_for(layer.index)
+        if mb.packed is None:
+            mb.packed = self._packed_sequences(function)
         frame = LayerFrame(layer, function, args, self._capture_plan(layer), mb)
         mb.frames[layer.index] = weakref.ref(frame)
         mb.last_layer = layer.index
@@ -460,6 +463,29 @@ class HiLoReRuntime:
                            "to the training forward to silence this.", type(layer.module).__name__)
             self._warned_cache = True
         return function, args
+
+    def _packed_sequences(self, function) -> bool:
+        """Whether the microbatch packs several sequences into one row (position_ids restart,
+        as OpenRLHF and TRL's padding-free mode produce). Read once per microbatch, and only
+        for one-row inputs.
+
+        NOTE [ Packed sequences ]
+        Per-sequence slices, exposure and elision work on rows; a packed row holds several
+        sequences, so they act on the whole row: exact (a row is elided only when every one of
+        its sequences has zero coefficients), but sequences are not elided one by one.
+        """
+        position_ids = (getattr(function, "keywords", None) or {}).get("position_ids")
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
+                or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
+            return False
+        packed = bool((position_ids[0, 1:] == 0).any())
+        if packed and not self._warned_packed:
+            logger.warning("ds_hilore: packed sequences (one row, restarting position_ids): "
+                           "slices, exposure and elision act on the whole row, not per sequence "
+                           "(exact; sequences with zero loss coefficients are not elided "
+                           "one by one).")
+            self._warned_packed = True
+        return packed
 
     def _microbatch_for(self, layer_index: int) -> Microbatch:
         """A layer index not above the previous one starts a new forward: a new microbatch."""

@@ -241,3 +241,34 @@ def test_router_logits_recorded_means_no_elision():
     got = grads()
     assert [n for n in ref if not torch.equal(ref[n], got[n])] == []
     assert runtime.stats["actions"]["E"] == 0 and runtime.stats["recomputed_units"] == 0
+
+
+def test_packed_sequences_are_exact_and_handled_per_row(caplog):
+    # OpenRLHF / TRL padding-free: one row, position_ids restarting per sequence; a sequence
+    # with zero coefficients shares its row with others, so nothing is elided -- and exact
+    from ds_hilore.grpo import policy_loss
+
+    model = tiny_model("llama", layers=2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 128, (1, 24), generator=g)
+    position_ids = torch.cat([torch.arange(8), torch.arange(10), torch.arange(6)])[None]
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(2)
+        logits = model(input_ids=ids, position_ids=position_ids).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        mask[:, 7:17] = False  # the second sequence: no coefficient at all
+        policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, loss_type="grpo",
+                    model=model).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = grads()
+    runtime = ds_hilore.attach(model, dict(EXACT, force_plan={"*.attn": "H", "*.mlp": "R"}))
+    with caplog.at_level("WARNING", logger="ds_hilore"):
+        first, second = grads(), grads()
+    assert [n for n in ref if not torch.equal(ref[n], first[n])] == []
+    assert [n for n in ref if not torch.equal(ref[n], second[n])] == []
+    assert sum("packed sequences" in r.message for r in caplog.records) == 1  # said once
+    assert runtime.stats["actions"]["E"] == 0
