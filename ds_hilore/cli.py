@@ -4,6 +4,7 @@
     hilore grpo-demo                          how concentrated the GRPO coefficients ω are
     hilore units --arch qwen2                 recovery units attach() finds in a tiny model
     hilore units --model PATH                 ... or in a local checkpoint (never downloads)
+    hilore units --list-archs                 the architectures --arch accepts
     hilore config --check ds_config.json      validate the "hilore" block; exit 2 on error
 """
 
@@ -12,25 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, Mapping, Sequence
+from typing import Sequence
 
-__all__ = ["TINY_ARCHS", "main"]
+__all__ = ["main"]
 
 EXIT_CONFIG_ERROR = 2
-
-# arch -> (transformers config class, causal-LM class, extra config fields). Sizes are tiny:
-# the command lists units, it never trains. Dropouts are on so that layer-level dropout
-# children (Phi-3's resid_*_dropout, GPT-NeoX's post_*_dropout) show up in their units.
-TINY_ARCHS: Mapping[str, tuple[str, str, dict]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM",
-             {"num_key_value_heads": 2, "resid_pdrop": 0.1, "pad_token_id": 0,
-              "bos_token_id": 1, "eos_token_id": 2}),  # Phi-3's defaults lie outside vocab 128
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
-                 {"hidden_dropout": 0.1, "use_parallel_residual": True}),
-}
+PROBE_TOKENS = 32  # sequence length of the forward that measures each unit's bytes per token
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,13 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     units = sub.add_parser("units", help="list the recovery units attach() finds in a model",
                            description="Build a tiny random model of an architecture (or load a "
                            "local checkpoint, never downloading) and print each recovery unit: "
-                           "name, kind and the decoder-layer children it owns.")
+                           "name, kind, the bytes it holds per token under H (measured by one "
+                           f"forward of {PROBE_TOKENS} tokens) and the layer's children it runs.")
     source = units.add_mutually_exclusive_group(required=True)
-    source.add_argument("--arch", choices=list(TINY_ARCHS), help="tiny model of this architecture")
+    source.add_argument("--arch", metavar="NAME",
+                        help="tiny model of this transformers model_type (see --list-archs)")
     source.add_argument("--model", metavar="PATH", help="local checkpoint directory (from_pretrained)")
+    source.add_argument("--list-archs", action="store_true",
+                        help="print the model_types --arch accepts (every causal LM of transformers)")
     units.add_argument("--config", metavar="DS_CONFIG", default=None,
-                       help="ds_config whose \"hilore\" block names layers and children "
-                            "(layer_pattern, attn_children, mlp_children); default: built-in")
+                       help="ds_config whose \"hilore\" block selects layers or names the units' "
+                            "children (layer_pattern, attn_children, mlp_children); default: built-in")
     units.set_defaults(run=_run_units)
 
     config = sub.add_parser("config", help="validate the \"hilore\" block of a ds_config",
@@ -103,25 +95,66 @@ def _run_grpo_demo(args: argparse.Namespace) -> int:
 
 
 def _run_units(args: argparse.Namespace) -> int:
-    from ds_hilore import HiLoReConfig, HiLoReConfigError, HiLoReError, attach
+    from ds_hilore import HiLoReConfig, HiLoReConfigError, HiLoReError, attach, zoo
 
+    if args.list_archs:
+        print("\n".join(zoo.causal_lm_types()))
+        return 0
+    if args.arch is not None and args.arch not in zoo.causal_lm_types():
+        print(f"error: unknown architecture {args.arch!r}; `hilore units --list-archs` prints the "
+              "names --arch accepts (transformers model_types of causal LMs).", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     try:
         config = HiLoReConfig.from_ds_config(args.config) if args.config else HiLoReConfig()
-        if not config.enabled:
-            config = HiLoReConfig(**{**config.to_dict(), "enabled": True})
+        # H everywhere for the measuring forward, whatever force_plan the file sets
+        config = HiLoReConfig(**{**config.to_dict(), "enabled": True, "force_plan": "H"})
         model = tiny_model(args.arch) if args.arch else _load(args.model)
         runtime = attach(model, config)
+    except zoo.ZooSkip as skip:
+        print(f"error: no small {args.arch} model can be built: {skip.reason}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     except (HiLoReConfigError, HiLoReError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(f"{type(model).__name__}: {len(runtime.units)} recovery units "
-          f"in {len(runtime.units) // 2} decoder layers")
-    width = max(len(u.name) for u in runtime.units)
-    print(f"{'name':<{width}}  {'kind':<4}  children")
-    for unit in runtime.units:
-        print(f"{unit.name:<{width}}  {unit.kind:<4}  {', '.join(unit.children)}")
-    runtime.detach()
+    try:
+        per_token = _bytes_per_token(model, runtime)
+    except HiLoReError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    finally:
+        runtime.detach()
+    print(_units_table(model, runtime.units, per_token))
     return 0
+
+
+def _bytes_per_token(model, runtime) -> list[float | None]:
+    """Bytes each unit holds under H after one forward of (1, PROBE_TOKENS) tokens, per token.
+
+    None for every unit while the runtime does not record held bytes per unit (``Unit.nbytes``
+    missing, or 0 everywhere although H always holds something).
+    """
+    import torch
+
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.enable_grad():
+        out = model(input_ids=ids)  # HiLoRe captures only when a backward can follow
+    del out  # frees the captured tensors; the units keep their counts
+    held = [getattr(u, "nbytes", 0) for u in runtime.units]  # bytes
+    if not any(held):
+        return [None] * len(held)
+    return [n / PROBE_TOKENS for n in held]
+
+
+def _units_table(model, units, per_token: list[float | None]) -> str:
+    layers = len({u.layer_index for u in units})
+    lines = [f"{type(model).__name__}: {len(units)} recovery units in {layers} decoder layers"]
+    width = max((len(u.name) for u in units), default=4)
+    lines.append(f"{'name':<{width}}  {'kind':<5}  {'B/token':>8}  children")
+    for unit, nbytes in zip(units, per_token):
+        held = "-" if nbytes is None else f"{nbytes:.0f}"
+        lines.append(f"{unit.name:<{width}}  {unit.kind:<5}  {held:>8}  {', '.join(unit.children)}")
+    return "\n".join(lines)
 
 
 def _run_config_check(args: argparse.Namespace) -> int:
@@ -142,18 +175,10 @@ def _run_config_check(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- models
 def tiny_model(arch: str, layers: int = 2, seed: int = 0):
-    """A tiny causal LM of ``arch`` (a key of ``TINY_ARCHS``) with random weights, training mode."""
-    import torch
-    import transformers
+    """A tiny causal LM of ``arch`` (a transformers model_type) with random weights, training mode."""
+    from ds_hilore import zoo
 
-    config_name, model_name, extra = TINY_ARCHS[arch]
-    config: Callable = getattr(transformers, config_name)
-    cfg = config(vocab_size=128, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                 intermediate_size=64, max_position_embeddings=128, tie_word_embeddings=False,
-                 attention_dropout=0.1, **extra)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg)
-    return model.train()
+    return zoo.tiny_causal_lm(arch, layers=layers, seed=seed)
 
 
 def _load(path: str):

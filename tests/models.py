@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import transformers
 
@@ -70,19 +72,82 @@ def batch(batch_size: int = 3, seq: int = 16, seed: int = 0) -> dict[str, torch.
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def loss_and_grads(model, inputs, *, seed: int = 123, autocast: torch.dtype | None = None):
-    """Loss and gradients of every trainable parameter and of the input embeddings."""
+def loss_and_grads(model, inputs, *, seed: int = 123, autocast: torch.dtype | None = None,
+                   row_weights: torch.Tensor | None = None):
+    """Loss and gradients of every trainable parameter and of the input embeddings.
+
+    ``torch.manual_seed(seed)`` right before the forward gives every run the same dropout masks.
+    ``row_weights`` (B,) weighs each sequence's loss; a weight 0 makes a sequence's gradient
+    exactly zero, as GRPO's A = 0 groups do. Models whose forward takes no ``inputs_embeds``
+    get ``input_ids`` (and no ``<inputs_embeds>`` gradient).
+    """
     model.zero_grad(set_to_none=True)
-    embeds = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_(True)
+    embedding = model.get_input_embeddings().weight  # bypassed when inputs_embeds are passed
+    embeds = None
+    if "inputs_embeds" in inspect.signature(model.forward).parameters:
+        embeds = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_(True)
+        feed = {"inputs_embeds": embeds}
+    else:
+        feed = {"input_ids": inputs["input_ids"]}
     torch.manual_seed(seed)
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        logits = model(inputs_embeds=embeds, attention_mask=inputs["attention_mask"]).logits
+        logits = model(**feed, attention_mask=inputs["attention_mask"]).logits
         weights = torch.linspace(-1.0, 1.0, logits.shape[-1])
-        loss = (logits.float().log_softmax(-1) * weights).sum(-1).mean()
+        per_token = (logits.float().log_softmax(-1) * weights).sum(-1)  # (B, T)
+        if row_weights is not None:
+            per_token = per_token * row_weights[:, None]
+        loss = per_token.mean()
     loss.backward()
-    embedding = model.get_input_embeddings().weight  # bypassed: inputs_embeds are passed
     grads = {n: p.grad.clone() for n, p in model.named_parameters()
-             if p.requires_grad and p is not embedding}
-    grads["<inputs_embeds>"] = embeds.grad.clone()
+             if p.requires_grad and p.grad is not None and (embeds is None or p is not embedding)}
+    if embeds is not None:
+        grads["<inputs_embeds>"] = embeds.grad.clone()
     return loss.detach(), grads
 
+
+def gc_loss_and_grads(model, inputs, **kwargs):
+    """``loss_and_grads`` under HF's own non-reentrant gradient checkpointing."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        return loss_and_grads(model, inputs, **kwargs)
+    finally:
+        model.gradient_checkpointing_disable()
+
+
+# NOTE [ Exact relative to the machine's own checkpointing ]
+# An exact recovery (H, R, E) must give the gradients of the model without checkpointing. On
+# some CPUs even HF's non-reentrant checkpointing does not, in the last bits: wrapping a layer
+# in a checkpoint changes the order in which its input's gradient is accumulated (measured on
+# an AMD EPYC without AVX512-FP16: OPT's gradients off by up to 2.4e-7, with HiLoRe's H and R
+# off by exactly the same amounts, tensor by tensor). So "exact" is asserted per tensor against
+# what the machine's own checkpointing achieves: bitwise where HF checkpointing is bitwise,
+# otherwise no further from no checkpointing than HF checkpointing is. GC_SLACK keeps that
+# bound from hinging on the last bit of the deviation itself; it is not a tolerance for error.
+GC_SLACK = 1e-3
+
+
+def beyond_gc(ref: dict, gc: dict, got: dict, slack: float = GC_SLACK) -> list[str]:
+    """Gradients in ``got`` further from ``ref`` (no checkpointing) than ``gc`` (HF checkpointing).
+
+    Args:
+        ref, gc, got: name -> tensor, as ``loss_and_grads`` returns (loss included if wanted).
+
+    Returns:
+        One line per offending tensor (empty: ``got`` is as exact as HF checkpointing here).
+    """
+    problems = [f"{name}: no gradient, but one without checkpointing" for name in ref.keys() - got.keys()]
+    problems += [f"{name}: a gradient, but none without checkpointing" for name in got.keys() - ref.keys()]
+    for name, expected in ref.items():
+        if name not in got or torch.equal(got[name], expected):
+            continue
+        allowed = _max_abs_diff(gc[name], expected) if name in gc else 0.0
+        diff = _max_abs_diff(got[name], expected)
+        if not diff <= allowed * (1.0 + slack):  # also catches NaN
+            problems.append(f"{name}: max |diff| {diff:.3g} vs HF checkpointing's {allowed:.3g}")
+    return problems
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0

@@ -28,26 +28,85 @@ def _python(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 # ---------------------------------------------------------------------------------- units
+def _unit_rows(out: str, prefix: str) -> list[list[str]]:
+    """(name, kind, bytes per token, children) of every unit line of ``hilore units``."""
+    return [line.split(None, 3) for line in out.splitlines() if line.startswith(prefix)]
+
+
+def _bytes_column_is_measured_or_dash(rows) -> bool:
+    held = [row[2] for row in rows]
+    return all(h == "-" for h in held) or all(h.isdigit() and int(h) > 0 for h in held)
+
+
 def test_units_of_phi3_as_a_console_command():
     proc = _python("-m", "ds_hilore.cli", "units", "--arch", "phi3")
     assert proc.returncode == 0, proc.stderr
-    rows = [line.split(None, 2) for line in proc.stdout.splitlines()
-            if line.startswith("model.layers.")]
-    assert rows == [
-        ["model.layers.0.attn", "attn", "self_attn, input_layernorm, resid_attn_dropout"],
-        ["model.layers.0.mlp", "mlp", "mlp, post_attention_layernorm, resid_mlp_dropout"],
-        ["model.layers.1.attn", "attn", "self_attn, input_layernorm, resid_attn_dropout"],
-        ["model.layers.1.mlp", "mlp", "mlp, post_attention_layernorm, resid_mlp_dropout"],
+    rows = _unit_rows(proc.stdout, "model.layers.")
+    assert [(name, kind, children) for name, kind, _, children in rows] == [
+        ("model.layers.0.attn", "attn", "input_layernorm, self_attn, resid_attn_dropout"),
+        ("model.layers.0.mlp", "mlp", "post_attention_layernorm, mlp, resid_mlp_dropout"),
+        ("model.layers.1.attn", "attn", "input_layernorm, self_attn, resid_attn_dropout"),
+        ("model.layers.1.mlp", "mlp", "post_attention_layernorm, mlp, resid_mlp_dropout"),
     ]
+    assert _bytes_column_is_measured_or_dash(rows)
     assert "Phi3ForCausalLM: 4 recovery units in 2 decoder layers" in proc.stdout
+    assert proc.stdout.splitlines()[1].split() == ["name", "kind", "B/token", "children"]
+
+
+def test_units_of_any_transformers_architecture(capsys):
+    # Gemma-2 normalises each block's output: the post-norms go with the block they normalise
+    assert cli.main(["units", "--arch", "gemma2"]) == 0
+    rows = _unit_rows(capsys.readouterr().out, "model.layers.1.")
+    assert [(name, kind, children) for name, kind, _, children in rows] == [
+        ("model.layers.1.attn", "attn", "input_layernorm, self_attn, post_attention_layernorm"),
+        ("model.layers.1.mlp", "mlp", "pre_feedforward_layernorm, mlp, post_feedforward_layernorm"),
+    ]
+    assert _bytes_column_is_measured_or_dash(rows)
+
+
+def test_units_list_archs_is_every_causal_lm(capsys):
+    from ds_hilore import zoo
+
+    assert cli.main(["units", "--list-archs"]) == 0
+    names = capsys.readouterr().out.split()
+    assert names == zoo.causal_lm_types()
+    assert {"llama", "qwen2", "mistral", "phi3", "gpt_neox", "qwen3_moe"} <= set(names)
+
+
+def test_units_of_an_unknown_arch_says_where_the_names_are(capsys):
+    assert cli.main(["units", "--arch", "lama"]) == cli.EXIT_CONFIG_ERROR
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1  # one line
+    assert "unknown architecture 'lama'" in captured.err and "hilore units --list-archs" in captured.err
+
+
+def test_units_of_an_arch_that_cannot_be_built_small(capsys):
+    assert cli.main(["units", "--arch", "cpmant"]) == cli.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("error: no small cpmant model can be built: ")
+    assert "does not support gradient checkpointing" in err
+
+
+def test_units_table_without_per_unit_bytes_shows_a_dash():
+    from types import SimpleNamespace
+
+    units = [SimpleNamespace(name="m.layers.0.attn", kind="attn", layer_index=0, children=("a",)),
+             SimpleNamespace(name="m.layers.0.mlp", kind="mlp", layer_index=0, children=("b", "c"))]
+    table = cli._units_table(torch.nn.Identity(), units, [None, None]).splitlines()
+    assert table[0] == "Identity: 2 recovery units in 1 decoder layers"
+    assert [line.split() for line in table[2:]] == [["m.layers.0.attn", "attn", "-", "a"],
+                                                    ["m.layers.0.mlp", "mlp", "-", "b,", "c"]]
+    measured = cli._units_table(torch.nn.Identity(), units, [1536.0, 2048.0]).splitlines()
+    assert [line.split()[2] for line in measured[2:]] == ["1536", "2048"]
 
 
 def test_units_of_a_local_checkpoint(tmp_path, capsys):
     cli.tiny_model("gpt_neox").save_pretrained(tmp_path)
     assert cli.main(["units", "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^gpt_neox\.layers\.1\.mlp\s+mlp\s+post_attention_layernorm, "
-                     r"post_mlp_dropout, mlp$", out, re.M), out
+    assert re.search(r"^gpt_neox\.layers\.1\.mlp\s+mlp\s+(-|\d+)\s+post_attention_layernorm, "
+                     r"mlp, post_mlp_dropout$", out, re.M), out
 
 
 def test_units_of_a_missing_checkpoint_never_downloads(tmp_path, capsys):

@@ -150,12 +150,31 @@ def test_activation_checkpointing_block_warns_and_hilore_wins(gc_reference):
     assert engine.hilore.stats["recomputed_units"] == 2 * len(engine.hilore.units)  # GAS 2
 
 
-def test_budget_below_gc_falls_back_to_gc(gc_reference):
+@pytest.fixture
+def plan_H_before_the_budget_check(monkeypatch):
+    """A fresh runtime is all R until the allocator decides: store everything first, so that
+    only the fallback itself can make the plan all R."""
+    check = engine_mod._check_budget
+
+    def stored_then_checked(runtime, hilore_config):
+        runtime.set_plan("H")
+        check(runtime, hilore_config)
+
+    monkeypatch.setattr(engine_mod, "_check_budget", stored_then_checked)
+
+
+def test_budget_below_gc_falls_back_to_gc(gc_reference, plan_H_before_the_budget_check):
     with pytest.warns(UserWarning, match="falls back to gradient checkpointing"):
         engine = make(ds_config(memory_budget_bytes=1))
-    assert engine.hilore.plan_actions() == ["R"] * len(engine.hilore.units)
+    units = len(engine.hilore.units)
+    assert engine.hilore.plan_actions() == ["R"] * units
     assert run(engine) == gc_reference
-    assert engine.hilore.stats["actions"]["R"] == 2 * len(engine.hilore.units)
+    assert engine.hilore.stats["actions"] == {"H": 0, "L": 0, "R": 2 * units, "E": 0}  # GAS 2
+
+
+def test_budget_above_in_use_keeps_the_plan(plan_H_before_the_budget_check):
+    engine = make(ds_config(memory_budget_bytes=2**50))  # the fallback's control: no warning
+    assert engine.hilore.plan_actions() == ["H"] * len(engine.hilore.units)
 
 
 def test_budget_below_gc_keeps_force_plan():
@@ -176,7 +195,24 @@ def test_end_step_once_per_optimizer_step(gc_reference):
     assert engine.hilore.stats["recomputed_units"] == 0
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "bf16"), (1, "fp16")])
+def _precision_param(stage: int, precision: str):
+    """(stage, precision), skipped where DeepSpeed's accelerator lacks the type.
+
+    DeepSpeed refuses such a config itself ("Type fp16 is not supported on your device"); its
+    CPU accelerator asks oneDNN (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: AVX512-FP16
+    or AMX-FP16), so e.g. an AMD EPYC or an Intel CPU without those runs no fp16.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = getattr(accelerator, f"is_{precision}_supported")()
+    reason = (f"DeepSpeed's {accelerator.device_name()} accelerator reports no {precision} support "
+              f"on this machine (is_{precision}_supported() is {supported!r})")
+    return pytest.param(stage, precision, id=f"{stage}-{precision}",
+                        marks=pytest.mark.skipif(not supported, reason=reason))
+
+
+@pytest.mark.parametrize("stage,precision", [_precision_param(0, "bf16"), _precision_param(1, "fp16")])
 def test_zero_stage_and_precision_match_gc(stage, precision):
     def config(**hilore):
         c = ds_config(**hilore)

@@ -5,6 +5,7 @@ for every supported architecture, with and without LoRA; retained bytes are comp
 storage-level accounting (``LiveStorages``), not RSS.
 """
 
+import fnmatch
 import random
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import ds_hilore
 from ds_hilore import HiLoReError
 from ds_hilore.memory import LiveStorages
-from models import ARCHS, batch, loss_and_grads, tiny_model, with_lora
+from models import ARCHS, batch, beyond_gc, gc_loss_and_grads, loss_and_grads, tiny_model, with_lora
 
 EXACT_PLANS = {
     "all-H": "H",
@@ -46,14 +47,15 @@ def test_exact_plans_bitwise_equal_to_no_checkpointing(arch, lora):
     inputs = batch()
     ref_loss, ref = loss_and_grads(model, inputs)
     runtime = ds_hilore.attach(model, EXACT_CONFIG)
-    plans = dict(EXACT_PLANS, random=_random_plan(runtime.units, seed=7))
+    plans = dict(EXACT_PLANS, random=_random_plan(runtime.units, seed=7),
+                 overlapping={"*": "R", "*.layers.1.*": "H"})  # the last matching pattern wins
     for label, plan in plans.items():
         runtime.set_plan(plan)
         loss, grads = loss_and_grads(model, inputs)
         assert torch.equal(loss, ref_loss), label
         assert _mismatches(ref, grads) == [], label
         expected = [plan if isinstance(plan, str) else
-                    next(a for p, a in plan.items() if __import__("fnmatch").fnmatchcase(u.name, p))
+                    [a for p, a in plan.items() if fnmatch.fnmatchcase(u.name, p)][-1]
                     for u in runtime.units]
         assert [u.action for u in runtime.units] == expected, label
     runtime.detach()
@@ -247,8 +249,10 @@ def test_detach_after_switching_off_leaves_checkpointing_off():
 
 def test_detach_restores_the_model():
     model = _build("qwen2", lora=False)
-    model.gradient_checkpointing_enable()
     inputs = batch()
+    _, ref = loss_and_grads(model, inputs)  # no checkpointing
+    model.gradient_checkpointing_enable()
+    _, gc = loss_and_grads(model, inputs)  # HF's checkpointing, before attach
     runtime = ds_hilore.attach(model, EXACT_CONFIG)
     runtime.detach()
     layer = model.model.layers[0]
@@ -256,6 +260,8 @@ def test_detach_restores_the_model():
     assert type(layer._gradient_checkpointing_func).__name__ == "partial"  # HF's checkpoint again
     _, grads = loss_and_grads(model, inputs)
     assert runtime.stats["microbatches"] == []
+    assert _mismatches(gc, grads) == []  # the model computes as it did before attach
+    assert beyond_gc(ref, gc, grads) == []
 
 
 def test_disabled_config_leaves_the_model_alone():
@@ -402,10 +408,21 @@ def _eager_lm(name: str, **config):
 
 def test_dropout_in_the_layer_body_between_units():
     # OPT draws a dropout in the layer's own code after the attention: a fast-forwarded
-    # attention must leave the RNG where the forward left it
+    # attention must leave the RNG where the forward left it. Exact as HF's checkpointing is
+    # on this machine: on some CPUs neither is bitwise for OPT (NOTE [ Exact relative to the
+    # machine's own checkpointing ] in tests/models.py).
     model = _eager_lm("OPT", ffn_dim=64, word_embed_proj_dim=32, dropout=0.1, attention_dropout=0.1)
-    _exact_under_every_plan(model, {"attn_children": ["self_attn_layer_norm", "self_attn"],
-                                    "mlp_children": ["final_layer_norm", "fc1", "activation_fn", "fc2"]})
+    inputs = batch()
+    ref_loss, ref = loss_and_grads(model, inputs)
+    _, gc = gc_loss_and_grads(model, inputs)
+    runtime = ds_hilore.attach(model, dict(
+        EXACT_CONFIG, attn_children=["self_attn_layer_norm", "self_attn"],
+        mlp_children=["final_layer_norm", "fc1", "activation_fn", "fc2"]))
+    for label, plan in EXACT_PLANS.items():
+        runtime.set_plan(plan)
+        loss, grads = loss_and_grads(model, inputs)
+        assert torch.equal(loss, ref_loss), label
+        assert beyond_gc(ref, gc, grads) == [], label
 
 
 def test_parallel_block_sharing_a_norm_is_rerun_not_fast_forwarded():
