@@ -152,6 +152,26 @@ class _Router(nn.Module):
     def forward(self, *args, **kwargs):
         return self.replay.route(self.name, self.original, args, kwargs)
 
+    # a layer may read a child instead of calling it (Mamba's self.norm.weight, a ModuleList
+    # indexed or iterated): everything but the call goes to the original
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["original"], name)
+
+    def __getitem__(self, index):
+        return self.__dict__["original"][index]
+
+    def __iter__(self):
+        return iter(self.__dict__["original"])
+
+    def __len__(self) -> int:
+        return len(self.__dict__["original"])
+
+    def __bool__(self) -> bool:  # a module is truthy; __len__ must not decide it
+        return True
+
 
 class Replay:
     """One re-run of a decoder layer from its inputs (NOTE [ Recompute ]).
@@ -286,8 +306,11 @@ class LayerFrame:
         inputs = [x for x in tree_flatten((args, keywords))[0] if isinstance(x, torch.Tensor)]
         self.input_ptrs = {x.untyped_storage().data_ptr() for x in inputs}
         hidden = hidden_input(args, keywords)
-        self.batch = hidden.shape[0]
-        self.seq_len = hidden.shape[1] if hidden.dim() >= 2 else 1
+        # hidden states end in (B, T, H); with leading dimensions of their own (Gemma-3n's
+        # AltUp streams) nothing is sliced per sequence: dim 0 would prove nothing
+        self.batch = hidden.shape[-3] if hidden.dim() >= 3 else hidden.shape[0]
+        self.seq_len = hidden.shape[-2] if hidden.dim() >= 2 else 1
+        self.sliceable = hidden.dim() <= 3
         self.device = hidden.device
         self.units = [_Unit() for _ in layer.units]
         self.current = 0
@@ -391,7 +414,7 @@ class LayerFrame:
         stored = unit.by_ptr.get(ptr)
         if stored is not None and not stored.weak.expired() and stored.dtype == t.dtype:
             return stored
-        block = row_block(t, self.batch, self.seq_len)
+        block = row_block(t, self.batch, self.seq_len) if self.sliceable else None
         group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
         packable = (block is not None and t.dtype in FLOAT_DTYPES and ptr not in self.boundary
                     and block >= self.ctx.min_pack_numel and self.ctx.codec is not None
@@ -511,8 +534,12 @@ class LayerFrame:
         if pos not in self.rc_need:
             return
         if k >= len(unit.shapes) or unit.shapes[k] != (t.shape, t.dtype):
-            raise bug(f"recompute of {self.layer.units[pos].name} diverged from forward at saved "
-                      f"tensor {k}: {tuple(t.shape)} {t.dtype}")
+            raise HiLoReError(
+                f"the recompute of {self.layer.units[pos].name} ({type(self.layer.module).__name__}) "
+                f"saved a different tensor than the forward at position {k} ({tuple(t.shape)} "
+                f"{t.dtype}): the layer keeps state across calls in training (e.g. a recurrent "
+                "state or cache kept on the module) that its discovery did not see. Exclude it "
+                "with 'layer_pattern' in the \"hilore\" block, or disable hilore for this model.")
         slot = unit.slots[k]()
         if slot is not None and slot.empty():
             slot.ref = t.detach()

@@ -167,7 +167,7 @@ def probe(root: nn.Module) -> str | None:
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type), torch.enable_grad():
             root.train()
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))  # as training calls it
     except HiLoReError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a model-specific input need: discover later

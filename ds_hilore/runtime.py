@@ -394,14 +394,15 @@ class HiLoReRuntime:
         models, or a probe that fails, find their units at the first training forward."""
         if all(layer.split is not None for layer in self._layers):
             return
-        self._probing = True
+        self._probing, warned = True, self._warned_cache
+        self._warned_cache = True  # the probe's own cache is dropped quietly
         try:
             failure = discovery.probe(self.model)
         finally:
-            self._probing = False
+            self._probing, self._warned_cache = False, warned
             self._mb, self._step, self._n_microbatches = None, [], 0
         if failure:
-            logger.info("ds_hilore: %s; recovery units will be found at the first training "
+            logger.warning("ds_hilore: %s; recovery units will be found at the first training "
                         "forward.", failure)
 
     def _discover(self, layer: LayerUnits, function, args: tuple):
@@ -511,7 +512,7 @@ class HiLoReRuntime:
                 continue
             for pos, unit in enumerate(layer.units):
                 action, held = frame.unit_summary(pos)
-                unit.action = action
+                unit.action, unit.nbytes = action, sum(held.values())
                 actions[action] += 1
                 for k, v in held.items():
                     nbytes[k] += v
