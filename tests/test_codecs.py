@@ -308,3 +308,20 @@ def test_compile_failure_falls_back_to_eager_and_logs_once(caplog, monkeypatch):
     assert torch.equal(second.payload, first.payload)
     assert "no C++ compiler" in spec.encode.failure
     assert len([r for r in caplog.records if "torch.compile of codec kernel" in r.message]) == 1
+
+
+def test_out_of_memory_in_a_compiled_codec_is_raised_not_hidden(monkeypatch):
+    # an OOM is not a compiler failure: falling back to eager for good would hide it (and
+    # the eager kernel would run out of memory too)
+    def enc(x):
+        return codecs._encode_rows(x, codecs.INT8_MAX, codecs._int8_grid)
+
+    kernel = codecs._Kernel(enc, unbacked=True)
+
+    def oom(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(kernel, "_call", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        kernel.compiled(gaussian(32, 64))
+    assert kernel.failure is None  # still compiled next time
