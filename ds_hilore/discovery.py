@@ -164,6 +164,10 @@ def probe(root: nn.Module) -> str | None:
     embeddings = model.get_input_embeddings()
     hook = embeddings.register_forward_hook(lambda m, a, out: out.requires_grad_(True)) \
         if embeddings is not None else None
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes on caching under checkpointing are not news
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type), torch.enable_grad():
             root.train()
@@ -173,6 +177,7 @@ def probe(root: nn.Module) -> str | None:
     except Exception as exc:  # noqa: BLE001 -- a model-specific input need: discover later
         return f"the probe forward of {type(model).__name__} failed ({type(exc).__name__}: {exc})"
     finally:
+        hf_logging.set_verbosity(verbosity)
         if hook is not None:
             hook.remove()
         for module, training in modes:
