@@ -437,9 +437,9 @@ class HiLoReRuntime:
         if layer.split is None:
             return self._discover(layer, function, args)
         mb = self._microbatch_for(layer.index)
-        if mb.packed is None:
-            mb.packed = self._packed_sequences(function)
         frame = LayerFrame(layer, function, args, self._capture_plan(layer), mb)
+        if mb.packed is None:  # one-row inputs only: position_ids are (1, T) for any batch
+            mb.packed = frame.batch == 1 and self._packed_sequences(function)
         mb.frames[layer.index] = weakref.ref(frame)
         mb.last_layer = layer.index
         out = frame.run()
