@@ -282,6 +282,13 @@ def drop_cache(module: nn.Module, function: Callable, args: tuple):
     return function, args, True
 
 
+def _batch_and_length(hidden: torch.Tensor, mask) -> tuple[int, int]:
+    """(B, T) of a layer call: from (B, T, H) hidden states, else from a (B, 1, T, S) mask."""
+    if hidden.dim() != 3 and isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return mask.shape[0], mask.shape[-2]
+    return hidden.shape[0], hidden.shape[1] if hidden.dim() >= 2 else 1
+
+
 class _Unit:
     """Per-unit state of one layer call: slots, what it stores, what a re-run needs."""
 
@@ -306,10 +313,9 @@ class LayerFrame:
         inputs = [x for x in tree_flatten((args, keywords))[0] if isinstance(x, torch.Tensor)]
         self.input_ptrs = {x.untyped_storage().data_ptr() for x in inputs}
         hidden = hidden_input(args, keywords)
-        # hidden states end in (B, T, H); with leading dimensions of their own (Gemma-3n's
-        # AltUp streams) nothing is sliced per sequence: dim 0 would prove nothing
-        self.batch = hidden.shape[-3] if hidden.dim() >= 3 else hidden.shape[0]
-        self.seq_len = hidden.shape[-2] if hidden.dim() >= 2 else 1
+        self.batch, self.seq_len = _batch_and_length(hidden, keywords.get("attention_mask"))
+        # hidden states with dimensions of their own (Gemma-3n's (streams, B, T, H), hyper-
+        # connections' (B, T, streams, H)) are never sliced per sequence: nothing is proven
         self.sliceable = hidden.dim() <= 3
         self.device = hidden.device
         self.units = [_Unit() for _ in layer.units]
