@@ -6,11 +6,11 @@ Each call of a decoder layer with gradients on gets a ``LayerFrame``. The layer 
 which attributes it to the sub-block (unit) whose child module is executing and returns a
 ``Slot`` handle:
 
-* weights are never captured (DESIGN.md §4 rule 1): a trainable weight, a view of one, a
+* weights are never captured (NOTE [ Weights are never captured ] in weights.py): a trainable weight, a view of one, a
   frozen (LoRA base) weight or an autocast cast of a weight becomes a ``WeightRef`` that
   rebuilds the tensor from the parameter on unpack;
 * tensors sharing storage with the layer's inputs are referenced: the inputs are retained
-  anyway, exactly as gradient checkpointing retains them (rule 2);
+  anyway, exactly as gradient checkpointing retains them;
 * activations of an ``H`` unit are kept as they are, of an ``L`` unit packed per sequence, of an
   ``R`` unit dropped. Exposure may split a unit per sequence: row blocks kept ``H``, packed
   ``L`` or elided ``E`` (a sequence whose loss coefficients are all zero; NOTE [ Exact zeros ]
@@ -298,7 +298,7 @@ class _Unit:
         self.slots: list = []  # weak refs of Slot, pack order
         self.shapes: list = []  # (shape, dtype) per slot
         self.stored: list[Stored] = []  # every storage the unit keeps
-        self.by_ptr: dict[int, Stored] = {}  # dedupe (rule 4)
+        self.by_ptr: dict[int, Stored] = {}  # one entry per storage: shared tensors kept once
         self.token_norms: torch.Tensor | None = None  # (B, T) unit-input norms, for exposure
         self.rc_count = 0  # tensors saved so far by the current re-run
 
@@ -324,7 +324,7 @@ class LayerFrame:
         self.entered: set[int] = set()  # units whose first call has run
         self.calls: list[str] = []  # child calls of this forward, in order
         self.follows = True  # the calls match discovery's: fast-forward is allowed
-        self.boundary: set[int] = set()  # storages entering a unit: never packed (rule 2)
+        self.boundary: set[int] = set()  # storages entering a unit: never packed (kept exact)
         self.ff: dict[int, FastForward] = {}  # call -> what a fast-forward of it hands on
         self.rc_need: set[int] = set()
         for unit, rows in zip(layer.units, plan.rows):

@@ -1,8 +1,8 @@
-"""Low-precision packing of saved activations: the "L" action of HiLoRe (DESIGN.md §1, §6).
+"""Low-precision packing of saved activations: the "L" action of HiLoRe.
 
 A codec turns a 2-D (N, G) float tensor (N tokens, G features) into a low-precision payload of
 the same shape plus fp32 scales, and back. Every codec is one entry of ``CODECS``; adding one is
-one entry plus one test (STYLE rule 2).
+one entry plus one test.
 
 Example::
 

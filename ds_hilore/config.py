@@ -25,7 +25,7 @@ from ds_hilore._errors import HiLoReConfigError
 
 __all__ = ["ACTIONS", "LOW_PRECISION", "HiLoReConfig"]
 
-ACTIONS = ("H", "L", "R")  # high-precision store, low-precision store, recompute (DESIGN.md §1)
+ACTIONS = ("H", "L", "R")  # high-precision store, low-precision store, recompute
 LOW_PRECISION = ("int8", "fp8_e4m3", "none")  # must match the names in codecs.CODECS (+ "none")
 _FORCE_PLAN_ALLOWED = '"H", "L", "R", a mapping {"<unit-name glob>": "H" | "L" | "R"}, or null'
 

@@ -74,7 +74,7 @@ PRESETS: Mapping[str, DemoPreset] = {
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """One way of keeping activations for backward (STYLE rule 2: one row per variant)."""
+    """One way of keeping activations for backward (one row per variant)."""
 
     name: str
     hf_gc: bool = False  # transformers' gradient checkpointing (non-reentrant)
@@ -141,7 +141,7 @@ def make_batch(model: torch.nn.Module, preset: DemoPreset, seed: int = 0) -> dic
 
     Prompts fill the first quarter of each sequence, completions have random lengths. Rewards
     are 0/1 per group; the last group is uniform (all solved), so its advantages are exactly 0
-    and its sequences' coefficients vanish (DESIGN.md §5). ``old_logp`` is the policy's own
+    and its sequences' coefficients vanish. ``old_logp`` is the policy's own
     log-probs plus noise: one update off-policy, so some tokens leave the clip range.
     """
     g = torch.Generator().manual_seed(seed)

@@ -1,6 +1,6 @@
 """DeepSpeed glue: ``ds_hilore.initialize`` = ``deepspeed.initialize`` + the HiLoRe runtime.
 
-This is the only ds_hilore module that imports DeepSpeed's engine internals (DESIGN.md §7);
+This is the only ds_hilore module that imports DeepSpeed's engine internals;
 the runtime itself works on any ``nn.Module``.
 
 Example::

@@ -1,6 +1,6 @@
 """Policy-update exposure: how much the current update depends on each unit's slice of each sequence.
 
-Pure functions of plain tensors (DESIGN.md §5, paper §3.2 and App. B.1):
+Pure functions of plain tensors (paper §3.2 and App. B.1):
 
     E_{u,i} = Σ_t |ω_{i,t}| · a_{u,t}
 

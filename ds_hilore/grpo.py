@@ -1,4 +1,4 @@
-"""GRPO losses with exact per-token coefficients ω = ∂L/∂logp (DESIGN.md §5, issue 3).
+"""GRPO losses with exact per-token coefficients ω = ∂L/∂logp.
 
     adv = group_advantages(rewards, group_size=8)                      # (B,)
     logp = token_logprobs(hidden[:, :-1], model.lm_head, input_ids[:, 1:])  # (B, T) fp32, chunked

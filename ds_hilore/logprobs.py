@@ -1,7 +1,7 @@
 """Token log-probs from the last hidden state without materialising the (B, T, V) fp32 logits.
 
 # NOTE [ Chunked log-probs ]
-The LM head is the other memory giant of a GRPO update (DESIGN.md §5): with V ≈ 152k the fp32
+The LM head is the other memory giant of a GRPO update: with V ≈ 152k the fp32
 logits of a (B, T) microbatch and their gradient are each B·T·V·4 bytes, alive together at the
 start of the backward. A policy loss needs only one number per position, log p(target_t), so
 

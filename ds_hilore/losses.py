@@ -5,7 +5,7 @@ entry knows both its loss (written as TRL writes it, so autograd sees the same g
 derivative of that loss with respect to the per-token log-prob in closed form. ``ds_hilore.grpo``
 composes them; this module holds no state and imports nothing from the rest of the package.
 
-Notation (DESIGN.md §5): per token t of sequence i, ``logp`` the policy log-prob, ``old`` the
+Notation: per token t of sequence i, ``logp`` the policy log-prob, ``old`` the
 behaviour log-prob, ``ref`` the reference log-prob, ``m`` the loss mask, ``A`` the advantage,
 ``w`` the aggregation weight of the loss type. The loss of every variant is
 

@@ -1,4 +1,4 @@
-"""Peak-memory meters: the one way ds_hilore measures memory (DESIGN.md §8).
+"""Peak-memory meters: the one way ds_hilore measures memory.
 
 * ``in_use_bytes(device)`` -- bytes allocated now. CUDA: ``torch.cuda.memory_allocated``.
   CPU: glibc's ``mallinfo2()``, in-use = ``uordblks + hblkhd`` (heap chunks in use plus
