@@ -28,5 +28,8 @@ $(STAMP): setup.py
 test: venv
 	DS_ACCELERATOR=cpu $(BIN)/python -m pytest tests -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
 
+# The same seeded GRPO run (2 ranks, ZeRO-2, LoRA) with gradient checkpointing and with HiLoRe,
+# then side by side; writes under output/demo. Extra trainer arguments: make demo DEMO_ARGS="...".
+DEMO_ARGS ?=
 demo: venv
-	$(BIN)/python -m ds_hilore.demo
+	$(BIN)/python -m examples.grpo.demo $(DEMO_ARGS)

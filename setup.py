@@ -73,6 +73,7 @@ setup(
         "numpy",
         "pydantic>=2",
         "hjson",  # ds_config files are read as DeepSpeed reads them
+        "matplotlib",  # the GRPO example's plots (examples/grpo)
     ],
     # trl: tests/test_trl.py runs TRL's GRPOTrainer; 1.16 keeps the torch, transformers,
     # deepspeed and accelerate versions above as they are.
