@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -42,6 +43,9 @@ from examples.grpo.rollout import evaluate, make_rollout, set_checkpointing  # n
 from examples.grpo.task import Task, load_task  # noqa: E402
 from examples.grpo.update import actor_update, gradient_error  # noqa: E402
 from examples.grpo.warm_start import prepare_actor  # noqa: E402
+
+# raised inside DeepSpeed's ZeRO optimizer on every run; not this script's to fix
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 
 @dataclasses.dataclass
