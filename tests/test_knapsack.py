@@ -1,0 +1,158 @@
+"""plan/knapsack.py: the DP against brute force on random instances (always feasible, never
+better than the true optimum, within its reported bound; exactly equal, choice included, when
+every cost is a whole number of bins), the tie rule, rejection of bad input, and a full-size run.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from ds_hilore.plan.knapsack import Option, Solution, brute_force, solve
+
+ZERO = Option("R", 0.0, 0, 0.0)
+
+
+def _random_groups(rng, risk_of, utility_of, max_memory):
+    """1-5 groups of 1-5 random options plus the zero option at a random position."""
+    groups = []
+    for g in range(int(rng.integers(1, 6))):
+        group = [Option((g, i), utility_of(), int(rng.integers(0, max_memory + 1)), risk_of())
+                 for i in range(int(rng.integers(1, 6)))]
+        group.insert(int(rng.integers(0, len(group) + 1)), ZERO)
+        groups.append(group)
+    return groups
+
+
+def _assert_feasible(groups, sol, memory_budget, risk_budget):
+    picked = [g[i] for g, i in zip(groups, sol.choice)]
+    assert len(sol.choice) == len(groups)
+    assert sol.memory == sum(o.memory for o in picked) <= memory_budget
+    assert sol.risk == math.fsum(o.risk for o in picked) <= risk_budget
+    assert sol.utility == math.fsum(o.utility for o in picked)
+    assert sol.bound >= 0.0
+
+
+def test_random_instances_feasible_and_within_bound():
+    # Coarse bins and continuous costs: the DP misses optima that need the rounding slack, and
+    # the bound must account for exactly that.
+    rng = np.random.default_rng(0)
+    gaps = 0
+    for _ in range(200):
+        memory_budget = int(rng.integers(0, 60))
+        risk_budget = float(rng.choice([0.0, rng.uniform(0.0, 1.0)]))
+        groups = _random_groups(rng, lambda: float(rng.choice([0.0, rng.uniform(0, 0.6)])),
+                                lambda: float(rng.uniform(-1.0, 3.0)), max_memory=40)
+        sol = solve(groups, memory_budget, risk_budget, memory_bins=8, risk_bins=4)
+        exact = brute_force(groups, memory_budget, risk_budget)
+        _assert_feasible(groups, sol, memory_budget, risk_budget)
+        assert sol.utility <= exact.utility + 1e-12
+        assert exact.utility <= sol.utility + sol.bound + 1e-9
+        gaps += exact.utility > sol.utility + 1e-9
+    assert gaps > 0  # the instances do exercise the rounding loss, not only easy cases
+
+
+def test_random_instances_exact_when_costs_are_whole_bins():
+    # Integer utilities (many exact ties), memory budgets that fit in the bins (one bin per
+    # byte), risks on the bin grid with a dyadic width (exact float sums): DP == brute force,
+    # choice included, which checks the whole tie rule.
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        memory_budget = int(rng.integers(0, 17))
+        risk_bins = 8
+        risk_budget = float(rng.integers(0, 4)) / 4
+        groups = _random_groups(
+            rng, lambda: float(rng.integers(0, 6)) * risk_budget / risk_bins,
+            lambda: float(rng.integers(-2, 5)), max_memory=12)
+        sol = solve(groups, memory_budget, risk_budget, memory_bins=16, risk_bins=risk_bins)
+        assert sol == brute_force(groups, memory_budget, risk_budget)
+        assert sol.bound == 0.0
+        _assert_feasible(groups, sol, memory_budget, risk_budget)
+
+
+def test_equal_utility_prefers_lower_risk_then_lower_memory():
+    by_risk = [ZERO, Option("risky", 1.0, 1, 0.2), Option("safe", 1.0, 5, 0.1)]
+    assert solve([by_risk], 10, 1.0).choice == (2,)
+    by_memory = [ZERO, Option("big", 1.0, 5, 0.1), Option("small", 1.0, 1, 0.1)]
+    assert solve([by_memory], 10, 1.0).choice == (2,)
+    same = [ZERO, Option("first", 1.0, 1, 0.1), Option("second", 1.0, 1, 0.1)]
+    assert solve([same, same], 10, 1.0).choice == (1, 1) == brute_force([same, same], 10,
+                                                                       1.0).choice
+    # 0.1 + 0.2 = 0.30000000000000004 > 0.3, yet within the tolerance: a tie, lower risk wins.
+    groups = [[ZERO, Option("a", 0.1, 1, 0.1)],
+              [ZERO, Option("b", 0.2, 1, 0.1), Option("a and b", 0.3, 2, 0.0)]]
+    assert solve(groups, 2, 1.0).choice == (0, 2) == brute_force(groups, 2, 1.0).choice
+
+
+def test_group_without_zero_option_is_rejected_by_index():
+    groups = [[ZERO], [ZERO, Option("H", 1.0, 1, 0.0)], [Option("H", 1.0, 0, 0.1)]]
+    for fn in (solve, brute_force):
+        with pytest.raises(ValueError, match="group 2 has no zero option"):
+            fn(groups, 10, 1.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(groups=[[ZERO, Option("x", 1.0, -1, 0.0)]]), "memory must be an int >= 0"),
+    (dict(groups=[[ZERO, Option("x", 1.0, 1.5, 0.0)]]), "memory must be an int >= 0"),
+    (dict(groups=[[ZERO, Option("x", 1.0, 1, -0.1)]]), "risk must be finite"),
+    (dict(groups=[[ZERO, Option("x", math.nan, 1, 0.1)]]), "utility must be finite"),
+    (dict(memory_budget=-1), "memory_budget"),
+    (dict(risk_budget=-0.5), "risk_budget"),
+    (dict(memory_bins=0), "memory_bins"),
+    (dict(risk_bins=0), "risk_bins"),
+])
+def test_malformed_input_is_rejected(kwargs, match):
+    args = dict(groups=[[ZERO]], memory_budget=10, risk_budget=1.0) | kwargs
+    with pytest.raises(ValueError, match=match):
+        solve(**args)
+
+
+def test_negative_utility_options_are_never_chosen():
+    rng = np.random.default_rng(2)
+    groups = [[Option(i, -float(rng.uniform(0.0, 1.0)), int(rng.integers(0, 3)), 0.0)
+               for i in range(6)] + [ZERO] for _ in range(6)]
+    groups += [[ZERO, Option("zero utility, costs memory", 0.0, 1, 0.0)]]
+    sol = solve(groups, 100, 1.0)
+    assert sol.choice == (6,) * 6 + (0,) and sol.utility == 0.0 and sol.memory == 0
+
+
+def test_rounding_up_rejects_what_fits_only_when_rounded_down():
+    # Bin width 2.5 bytes: 6 + 5 bytes = 2 + 2 bins rounded down (fits 4 bins), but 11 > 10.
+    groups = [[ZERO, Option("a", 1.0, 6, 0.0)], [ZERO, Option("b", 1.0, 5, 0.0)]]
+    sol = solve(groups, 10, 0.0, memory_bins=4)
+    assert sol.utility == 1.0 and sol.memory <= 10
+    # Same on risk: width 0.25, 0.3 + 0.2 = 1 + 0 bins rounded down, but 0.5 > 0.4.
+    groups = [[ZERO, Option("a", 1.0, 0, 0.3)], [ZERO, Option("b", 1.5, 0, 0.2)]]
+    sol = solve(groups, 0, 0.4, risk_bins=2)
+    assert sol.choice == (0, 1) and sol.risk <= 0.4
+
+
+def test_rounding_loss_is_reported_in_bound():
+    # 3 + 6 bytes fit in 10, but cost 2 + 3 ceil-bins of 2.5 bytes > 4: the DP takes one, the
+    # rounded-down relaxation both, so bound covers the missed unit of utility.
+    groups = [[ZERO, Option("a", 1.0, 3, 0.0)], [ZERO, Option("b", 1.0, 6, 0.0)]]
+    sol = solve(groups, 10, 0.0, memory_bins=4)
+    assert sol.utility == 1.0 and sol.bound == 1.0
+    assert brute_force(groups, 10, 0.0).utility == 2.0
+
+
+def test_zero_and_infinite_budgets():
+    groups = [[ZERO, Option("mem", 2.0, 5, 0.0), Option("risk", 3.0, 0, 0.5)]] * 3
+    assert solve(groups, 0, 0.0) == Solution((0, 0, 0), 0.0, 0, 0.0, 0.0)
+    assert solve(groups, 100, 0.0).choice == (1, 1, 1)  # only risk-free options usable
+    assert solve(groups, 0, 10.0).choice == (2, 2, 2)  # only memory-free options usable
+    assert solve(groups, 0, math.inf).choice == (2, 2, 2)
+    assert solve(groups, 7, 0.5).choice == (0, 1, 2) == brute_force(groups, 7, 0.5).choice
+    assert solve([], 10, 1.0) == Solution((), 0.0, 0, 0.0, 0.0)
+
+
+def test_full_size_instance():
+    # 28 layers x 12 joint actions at the default 256 x 64 bins, byte-sized costs.
+    rng = np.random.default_rng(3)
+    groups = [[ZERO] + [Option(i, float(rng.uniform(-0.01, 0.05)),
+                               int(rng.integers(0, 2**28)), float(rng.uniform(0, 0.02)))
+                        for i in range(11)] for _ in range(28)]
+    memory_budget, risk_budget = 2**31, 0.1
+    sol = solve(groups, memory_budget, risk_budget)
+    _assert_feasible(groups, sol, memory_budget, risk_budget)
+    assert sol.utility > 0.0
