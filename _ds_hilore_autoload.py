@@ -60,7 +60,7 @@ class TrainingInitialize:
         self.deepspeed_initialize = deepspeed_initialize
 
     def __call__(self, *args, **kwargs):
-        from ds_hilore.autoload import initialize  # deepspeed is imported: ds_hilore may be too
+        from ds_hilore.integrations.autoload import initialize  # deepspeed is imported: ds_hilore may be too
 
         return initialize(self, args, kwargs)
 

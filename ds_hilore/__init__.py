@@ -7,9 +7,9 @@ Public API:
     grpo         -- GRPO losses with exact per-token coefficients
 """
 
-from ._errors import HiLoReConfigError, HiLoReError
-from .config import HiLoReConfig
-from .runtime import HiLoReRuntime, attach, find_runtime
+from ds_hilore._errors import HiLoReConfigError, HiLoReError
+from ds_hilore.config import HiLoReConfig
+from ds_hilore.runtime import HiLoReRuntime, attach, find_runtime
 
 __all__ = ["HiLoReConfig", "HiLoReConfigError", "HiLoReError", "HiLoReRuntime", "attach",
            "find_runtime", "grpo", "initialize"]
@@ -18,7 +18,7 @@ __all__ = ["HiLoReConfig", "HiLoReConfigError", "HiLoReError", "HiLoReRuntime", 
 def __getattr__(name):
     # DeepSpeed and the GRPO module load on first use: attaching to a model needs neither.
     if name == "initialize":
-        from .engine import initialize
+        from ds_hilore.integrations.engine import initialize
         return initialize
     if name == "grpo":
         import importlib

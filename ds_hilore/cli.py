@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ds_hilore.demo import add_arguments as add_demo_arguments
+    from ds_hilore.bench.demo import add_arguments as add_demo_arguments
 
     parser = argparse.ArgumentParser(
         prog="hilore", description="HiLoRe for DeepSpeed: store (H), pack (L) or recompute (R) "
@@ -81,21 +81,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------------- commands
 def _run_demo(args: argparse.Namespace) -> int:
-    from ds_hilore import demo
+    from ds_hilore.bench import demo
 
     preset, model, data = demo.setup(args)
     return demo.report(demo.run(model, data, preset))
 
 
 def _run_grpo_demo(args: argparse.Namespace) -> int:
-    from ds_hilore.grpo_demo import demo
+    from ds_hilore.bench.grpo_demo import demo
 
     demo(args.prompts, args.group, args.length, args.seed)
     return 0
 
 
 def _run_units(args: argparse.Namespace) -> int:
-    from ds_hilore import HiLoReConfig, HiLoReConfigError, HiLoReError, attach, zoo
+    from ds_hilore import HiLoReConfig, HiLoReConfigError, HiLoReError, attach
+    from ds_hilore.bench import zoo
 
     if args.list_archs:
         print("\n".join(zoo.causal_lm_types()))
@@ -176,7 +177,7 @@ def _run_config_check(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- models
 def tiny_model(arch: str, layers: int = 2, seed: int = 0):
     """A tiny causal LM of ``arch`` (a transformers model_type) with random weights, training mode."""
-    from ds_hilore import zoo
+    from ds_hilore.bench import zoo
 
     return zoo.tiny_causal_lm(arch, layers=layers, seed=seed)
 

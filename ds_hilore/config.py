@@ -19,7 +19,13 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origi
 
 import hjson
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ds_hilore._errors import HiLoReConfigError
 

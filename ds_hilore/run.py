@@ -25,7 +25,7 @@ import runpy
 import sys
 from typing import Sequence
 
-from ds_hilore import autoload
+from ds_hilore.integrations import autoload
 
 __all__ = ["Command", "main", "parse"]
 

@@ -1,6 +1,6 @@
 """Every causal-LM architecture of the installed transformers under HiLoRe's exact plans.
 
-For each ``model_type`` that ``ds_hilore.zoo`` builds small (2 layers, hidden 64, dropout 0.1
+For each ``model_type`` that ``ds_hilore.bench.zoo`` builds small (2 layers, hidden 64, dropout 0.1
 wherever the config has one, eager attention, fp32), the gradients of every parameter and of
 the input embeddings are computed
 
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from models import beyond_gc, gc_loss_and_grads, loss_and_grads
 
 import ds_hilore
 from ds_hilore import HiLoReError, zoo
-from models import beyond_gc, gc_loss_and_grads, loss_and_grads
 
 REPRESENTATIVE = ("llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3", "gpt_neox",
                   "cohere", "opt", "qwen3_moe", "mixtral",

@@ -22,9 +22,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
 
-import ds_hilore.engine as engine_mod  # noqa: E402
-from ds_hilore import autoload  # noqa: E402
+import ds_hilore.integrations.engine as engine_mod  # noqa: E402
 from ds_hilore import HiLoReConfigError, find_runtime  # noqa: E402
+from ds_hilore.integrations import autoload  # noqa: E402
 from ds_hilore.run import Command, parse  # noqa: E402
 from tests.launch import REPO_ROOT, free_port  # noqa: E402
 from tests.workers import ds_engine_worker as worker  # noqa: E402

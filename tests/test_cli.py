@@ -1,4 +1,4 @@
-"""The ``hilore`` command and the demo (``python -m ds_hilore.demo``) as a smoke check.
+"""The ``hilore`` command and the demo (``python -m ds_hilore.bench.demo``) as a smoke check.
 
 The demo test runs the real script in a subprocess (``--quick``: 2 layers, 1 timed step, eager int8 codec) and
 checks the table it prints: every exact method bitwise equal to no checkpointing, the expected
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_hilore import HiLoReConfig, cli, demo
+from ds_hilore import HiLoReConfig, cli
+from ds_hilore.bench import demo
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +66,7 @@ def test_units_of_any_transformers_architecture(capsys):
 
 
 def test_units_list_archs_is_every_causal_lm(capsys):
-    from ds_hilore import zoo
+    from ds_hilore.bench import zoo
 
     assert cli.main(["units", "--list-archs"]) == 0
     names = capsys.readouterr().out.split()
@@ -170,7 +171,7 @@ _ROW = re.compile(r"^(?P<name>.+?)\s+(?P<t>[\d.]+)\s+(?P<tx>[\d.]+) \| \s*(?P<m>
 
 
 def test_quick_demo_exits_0_and_prints_every_method():
-    proc = _python("-m", "ds_hilore.demo", "--quick", "--threads", "1")  # steadier when busy
+    proc = _python("-m", "ds_hilore.bench.demo", "--quick", "--threads", "1")  # steadier when busy
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {m["name"]: m for m in map(_ROW.match, proc.stdout.splitlines()) if m}
     assert list(rows) == [m.name for m in demo.METHODS]

@@ -1,7 +1,7 @@
 """Low-precision codecs: error bounds derived from the quantisation grid, exact bytes, eager vs
 compiled bitwise agreement, non-finite and zero inputs, and one compiled graph per dtype.
 
-Compiled kernels live at module level in ds_hilore.codecs, so each compiles once per test
+Compiled kernels live at module level in ds_hilore.runtime.codecs, so each compiles once per test
 session (and later sessions load inductor's on-disk cache).
 """
 
@@ -11,11 +11,16 @@ import math
 import pytest
 import torch
 
-from ds_hilore import codecs
 from ds_hilore._errors import HiLoReConfigError
-from ds_hilore.codecs import (CODECS, Packed, codec_from_config, compiled_graph_counts,
-                              get_codec)
-from ds_hilore.memory import PeakMeter, live_storage_bytes
+from ds_hilore.runtime import codecs
+from ds_hilore.runtime.codecs import (
+    CODECS,
+    Packed,
+    codec_from_config,
+    compiled_graph_counts,
+    get_codec,
+)
+from ds_hilore.runtime.memory import PeakMeter, live_storage_bytes
 
 # name, options, label: every codec and scaling the registry offers
 VARIANTS = [("int8", {}, "int8"),
@@ -302,7 +307,7 @@ def test_compile_failure_falls_back_to_eager_and_logs_once(caplog, monkeypatch):
                             decode=CODECS["int8"].decode, summary="test")
     codec = codecs.Codec("int8", spec, "compile", {})
     x = gaussian(32, 64)
-    with caplog.at_level(logging.WARNING, logger="ds_hilore.codecs"):
+    with caplog.at_level(logging.WARNING, logger="ds_hilore.runtime.codecs"):
         first, second = codec.pack(x), codec.pack(x)
     assert torch.equal(first.payload, get_codec("int8").pack(x).payload)
     assert torch.equal(second.payload, first.payload)

@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers
+from models import batch, loss_and_grads, tiny_model
 
 import ds_hilore
 from ds_hilore import HiLoReError
-from ds_hilore.bundle import placeholder
-from ds_hilore.storage import row_block
-from ds_hilore.weights import WeightRecognizer, WeightRef
-from models import batch, loss_and_grads, tiny_model
+from ds_hilore.runtime.bundle import placeholder
+from ds_hilore.runtime.storage import row_block
+from ds_hilore.runtime.weights import WeightRecognizer, WeightRef
 
 EXACT = {"low_precision": "none"}
 PLANS = ["H", "R", {"*.attn": "H", "*.mlp": "R"}, {"*.attn": "R", "*.mlp": "H"}]

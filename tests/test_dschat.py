@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, _BIN, _all_output, _environment, free_port
+from tests.launch import _BIN, REPO_ROOT, _all_output, _environment, free_port
 from tests.workers import dschat_grpo_worker as worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -25,7 +25,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-import ds_hilore.engine as engine_mod  # noqa: E402
+import ds_hilore.integrations.engine as engine_mod  # noqa: E402
 from ds_hilore import HiLoReConfigError, HiLoReError  # noqa: E402
 from tests.launch import free_port  # noqa: E402
 from tests.workers import ds_engine_worker as worker  # noqa: E402
@@ -241,7 +241,7 @@ def test_checkpoint_restores_state_on_same_setup(tmp_path, caplog):
     saver.save_checkpoint(str(tmp_path), tag="t", client_state={"user": 7})
     loader = make(ds_config())
     assert loader.hilore.state_dict() != saved
-    with caplog.at_level(logging.INFO, logger="ds_hilore.engine"):
+    with caplog.at_level(logging.INFO, logger="ds_hilore.integrations.engine"):
         path, client_state = loader.load_checkpoint(str(tmp_path), tag="t")
     assert path is not None and client_state["user"] == 7
     assert engine_mod.CHECKPOINT_KEY not in client_state  # HiLoRe's entry is taken out
@@ -258,7 +258,7 @@ def test_checkpoint_drops_state_on_other_setup(tmp_path, caplog, monkeypatch):
     fresh = loader.hilore.state_dict()
     other = {**engine_mod.setup_key(), "torch_version": "0.0.0"}
     monkeypatch.setattr(engine_mod, "setup_key", lambda: other)
-    with caplog.at_level(logging.INFO, logger="ds_hilore.engine"):
+    with caplog.at_level(logging.INFO, logger="ds_hilore.integrations.engine"):
         path, client_state = loader.load_checkpoint(str(tmp_path), tag="t")
     assert path is not None and engine_mod.CHECKPOINT_KEY not in client_state
     assert loader.hilore.state_dict() == fresh != saved
@@ -272,7 +272,7 @@ def test_checkpoint_of_plain_deepspeed_loads(tmp_path, caplog):
     make(config).save_checkpoint(str(tmp_path), tag="t")
     loader = make(ds_config())
     fresh = loader.hilore.state_dict()
-    with caplog.at_level(logging.INFO, logger="ds_hilore.engine"):
+    with caplog.at_level(logging.INFO, logger="ds_hilore.integrations.engine"):
         path, _ = loader.load_checkpoint(str(tmp_path), tag="t")
     assert path is not None and loader.hilore.state_dict() == fresh
     assert "has no HiLoRe state" in caplog.text

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from models import batch, tiny_model
 
 import ds_hilore
 from ds_hilore import grpo
-from models import batch, tiny_model
 
 EXACT = {"low_precision": "none"}
 
@@ -135,7 +135,7 @@ def test_policy_loss_finds_the_only_runtime_and_skips_evaluation():
     with torch.no_grad():  # evaluation: no backward follows, nothing is handed over
         grpo.policy_loss(logp.detach(), logp.detach(), torch.tensor([0.0, 1.0]), mask)
     assert runtime.stats["microbatches"][-1]["exposure_source"] is None
-    others = [rt for rt in ds_hilore.runtime._ATTACHED if rt is not runtime]
+    others = [rt for rt in ds_hilore.runtime.core._ATTACHED if rt is not runtime]
     for rt in others:
         rt.detach()
     grpo.policy_loss(logp, logp.detach(), torch.tensor([0.0, 1.0]), mask).loss.backward()

@@ -11,9 +11,15 @@ import math
 
 import pytest
 import torch
-
-from ds_hilore.grpo import drop_zero_rows, global_num_items, group_advantages, policy_loss, token_logprobs
 from models import tiny_model
+
+from ds_hilore.grpo import (
+    drop_zero_rows,
+    global_num_items,
+    group_advantages,
+    policy_loss,
+    token_logprobs,
+)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence")
@@ -388,7 +394,7 @@ def test_token_logprobs_accepts_a_linear_and_checks_its_inputs():
 
 
 def test_token_logprobs_peak_memory_is_a_fraction_of_the_direct_one():
-    from ds_hilore.memory import PeakMeter
+    from ds_hilore.runtime.memory import PeakMeter
 
     b, t, h, v = 2, 256, 64, 152_064  # Qwen2's vocabulary
     g = torch.Generator().manual_seed(0)

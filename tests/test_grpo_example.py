@@ -22,7 +22,13 @@ import pytest
 
 from examples.grpo import model as model_module
 from examples.grpo.arguments import UsageError, parse_args
-from examples.grpo.task import JsonlTask, ReverseTask, char_match, exact_match, load_task
+from examples.grpo.task import (
+    JsonlTask,
+    ReverseTask,
+    char_match,
+    exact_match,
+    load_task,
+)
 from examples.grpo.warm_start import cache_dir, cache_key, prepare_actor
 from tests.launch import REPO_ROOT, run_distributed
 

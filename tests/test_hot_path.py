@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import batch, loss_and_grads, tiny_model, with_lora
 
 import ds_hilore
 from ds_hilore import HiLoReError
 from ds_hilore.grpo import policy_loss
-from models import batch, loss_and_grads, tiny_model, with_lora
 
 PACKAGE = str(Path(ds_hilore.__file__).parent)
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "equal", "cpu",

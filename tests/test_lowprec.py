@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from models import batch, loss_and_grads, tiny_model
 
 import ds_hilore
-from ds_hilore.storage import Counters, Stored
-from ds_hilore.codecs import get_codec
-from ds_hilore.memory import LiveStorages
-from models import batch, loss_and_grads, tiny_model
+from ds_hilore.runtime.codecs import get_codec
+from ds_hilore.runtime.memory import LiveStorages
+from ds_hilore.runtime.storage import Counters, Stored
 
 # Documented bounds for all-L on a tiny Llama (2 layers, hidden 64, seq 64 x 3, fp32, no dropout):
 # measured 0.0034 (int8 per-token absmax) and 0.0143 (fp8 e4m3 per-token); the bounds leave ~2x room.

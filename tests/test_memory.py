@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ds_hilore._errors import HiLoReError
-from ds_hilore.memory import PeakMeter, in_use_bytes, live_storage_bytes
+from ds_hilore.runtime.memory import PeakMeter, in_use_bytes, live_storage_bytes
 
 MiB = 2 ** 20
 
@@ -104,7 +104,7 @@ def test_cuda_peak_meter_sees_a_freed_allocation():
 
 
 def test_live_storages_count_new_allocations_once_and_only_while_alive():
-    from ds_hilore.memory import LiveStorages
+    from ds_hilore.runtime.memory import LiveStorages
 
     x = torch.randn(256, 256)  # made outside: not counted
     with LiveStorages() as tracker:

@@ -10,11 +10,19 @@ import random
 
 import pytest
 import torch
+from models import (
+    ARCHS,
+    batch,
+    beyond_gc,
+    gc_loss_and_grads,
+    loss_and_grads,
+    tiny_model,
+    with_lora,
+)
 
 import ds_hilore
 from ds_hilore import HiLoReError
-from ds_hilore.memory import LiveStorages
-from models import ARCHS, batch, beyond_gc, gc_loss_and_grads, loss_and_grads, tiny_model, with_lora
+from ds_hilore.runtime.memory import LiveStorages
 
 EXACT_PLANS = {
     "all-H": "H",

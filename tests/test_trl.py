@@ -26,9 +26,9 @@ import math
 
 import pytest
 import torch
+from models import batch, loss_and_grads, tiny_model, with_lora
 
 import ds_hilore
-from models import batch, loss_and_grads, tiny_model, with_lora
 from tests.launch import run_distributed
 from tests.workers import trl_grpo_worker as worker
 

@@ -1,9 +1,9 @@
-"""ds_hilore.zoo: small random models of any transformers causal-LM architecture, from configs."""
+"""ds_hilore.bench.zoo: small random models of any transformers causal-LM architecture, from configs."""
 
 import pytest
 import torch
 
-from ds_hilore import zoo
+from ds_hilore.bench import zoo
 
 
 def _n_params(model) -> int:

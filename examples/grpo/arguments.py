@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from ds_hilore.losses import LOSS_TYPES
+from ds_hilore.grpo.losses import LOSS_TYPES
 
 from .model import PRESETS
 from .task import REWARDS

@@ -12,7 +12,16 @@ import argparse
 import time
 from pathlib import Path
 
-from examples.grpo.compare import ARMS, DEMO_ARGS, actions, fmt, grad_error, launch, mib, table
+from examples.grpo.compare import (
+    ARMS,
+    DEMO_ARGS,
+    actions,
+    fmt,
+    grad_error,
+    launch,
+    mib,
+    table,
+)
 
 MiB = 1 << 20
 

@@ -19,7 +19,14 @@ import json
 import statistics
 from pathlib import Path
 
-from examples.grpo.compare import ARMS, DEMO_ARGS, fmt, hilore_config_with, launch, table
+from examples.grpo.compare import (
+    ARMS,
+    DEMO_ARGS,
+    fmt,
+    hilore_config_with,
+    launch,
+    table,
+)
 
 TARGET_DIFF_PP = 0.5  # percentage points of held-out reward
 TARGET_GRAD_ERROR = 0.010  # mean relative gradient error

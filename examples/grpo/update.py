@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ds_hilore.grpo import drop_zero_rows, global_num_items, policy_loss
-from ds_hilore.memory import PeakMeter
+from ds_hilore.runtime.memory import PeakMeter
 
 from .rollout import Rollout, sequence_logprobs, set_checkpointing
 

@@ -104,11 +104,11 @@ def build_model(model: str, gc: bool) -> torch.nn.Module:
 
 
 def make_engine(case: Case, port: int):
-    import ds_hilore.engine
+    import ds_hilore.integrations.engine
 
     model = build_model(case.model, gc=case.mode == "gc")
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = ds_hilore.engine.initialize(model=model, model_parameters=params,
+    engine, *_ = ds_hilore.integrations.engine.initialize(model=model, model_parameters=params,
                                              config=ds_config(case), distributed_port=port)
     return engine
 
@@ -245,7 +245,7 @@ def run_case(case: Case, args, references: dict) -> dict:
 
 def check_collective() -> dict:
     """ds_hilore's collective used directly: rank 0 decides, maxima and sums over ranks."""
-    from ds_hilore.engine import TorchDistCollective
+    from ds_hilore.integrations.engine import TorchDistCollective
 
     c = TorchDistCollective()
     mine = ["H", "L", "R"] if c.rank == 0 else ["R", "R", "R"]

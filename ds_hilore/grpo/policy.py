@@ -6,7 +6,7 @@
                       num_items_in_batch=global_num_items(step_masks, gas))
     engine.backward(out.loss)      # out.coefficients: (B, T) detached ω, handed to the runtime
 
-The loss variants are rows of tables in ``ds_hilore.losses`` (one per TRL ``loss_type``, ratio
+The loss variants are rows of tables in ``ds_hilore.grpo.losses`` (one per TRL ``loss_type``, ratio
 level and KL estimator); this module validates, composes them and computes ω in closed form.
 
 # NOTE [ Normalisation under DeepSpeed ]
@@ -50,7 +50,6 @@ instead of W; that case is not covered here. Checked on 2 CPU ranks with G = 2 f
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from typing import Callable, Sequence
@@ -58,8 +57,16 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ds_hilore.logprobs import token_logprobs
-from ds_hilore.losses import KL_ESTIMATORS, LOSS_TYPES, RATIO_LEVELS, Clip, Normaliser, Surrogate
+from ds_hilore.grpo import handoff
+from ds_hilore.grpo.logprobs import token_logprobs
+from ds_hilore.grpo.losses import (
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    RATIO_LEVELS,
+    Clip,
+    Normaliser,
+    Surrogate,
+)
 
 __all__ = [
     "PolicyLoss",
@@ -179,7 +186,7 @@ def policy_loss(
     """GRPO-family policy loss of one microbatch and its exact per-token coefficients.
 
     ``loss = Σ_{i,t} w_{i,t} m_{i,t} (ℓ_{i,t} + β κ_{i,t})`` with TRL's surrogate ℓ, aggregation
-    weight w and KL estimator κ (``ds_hilore.losses``); ``coefficients`` is ∂loss/∂logp in closed
+    weight w and KL estimator κ (``ds_hilore.grpo.losses``); ``coefficients`` is ∂loss/∂logp in closed
     form (no extra backward). If a HiLoRe runtime is attached (to ``model``, or the only one),
     ω is handed to it before the backward starts.
 
@@ -389,11 +396,7 @@ def _hand_off(coefficients: Tensor, logp: Tensor, model: torch.nn.Module | None 
     """Gives ω to the HiLoRe runtime of ``model`` (or the only attached one) before the backward."""
     if not (torch.is_grad_enabled() and logp.requires_grad):
         return  # evaluation: no backward will follow, nothing was captured
-    from .runtime import find_runtime  # imported late: the losses work without a model
-
-    runtime = find_runtime(model)
-    if runtime is not None and runtime.enabled:
-        runtime.set_coefficients(coefficients, logp=logp)
+    handoff.publish(coefficients, logp, model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,23 +494,3 @@ def global_num_items(
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM, group=group)
         world = torch.distributed.get_world_size(group)
     return float(count) / (gradient_accumulation_steps * world)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ds_hilore.grpo", description=__doc__.splitlines()[0])
-    parser.add_argument("--demo", action="store_true", help="print coefficient statistics of a synthetic batch")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if not args.demo:
-        parser.print_help()
-        return
-    from ds_hilore.grpo_demo import demo
-
-    demo(args.prompts, args.group, args.length, args.seed)
-
-
-if __name__ == "__main__":
-    main()

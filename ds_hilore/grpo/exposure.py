@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import HiLoReError
+from ds_hilore._errors import HiLoReError
 
 SOURCES = ("analytic", "hidden_grad")
 

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch._dynamo.decorators import mark_unbacked
 from torch.fx.experimental import _config as fx_config
 
-from ._errors import HiLoReConfigError, bug
-from .memory import live_storage_bytes
+from ds_hilore._errors import HiLoReConfigError, bug
+from ds_hilore.runtime.memory import live_storage_bytes
 
 __all__ = ["CODECS", "CODEC_BACKENDS", "Codec", "CodecSpec", "Packed", "codec_from_config",
            "compiled_graph_counts", "get_codec"]

@@ -34,8 +34,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
-from ._errors import HiLoReConfigError, HiLoReError
-from .config import HiLoReConfig
+from ds_hilore._errors import HiLoReConfigError, HiLoReError
+from ds_hilore.config import HiLoReConfig
 
 __all__ = ["initialize", "initialize_with_fallback", "trains", "TorchDistCollective", "setup_key",
            "CHECKPOINT_KEY"]
@@ -160,7 +160,9 @@ def _check_supported(model: Optional[torch.nn.Module], ds_config: Mapping) -> No
 
 # ---- attaching ---------------------------------------------------------------------------
 def _attach_runtime(engine: Any, hilore_config: HiLoReConfig) -> None:
-    from .runtime import attach  # the runtime needs no DeepSpeed; imported when enabled only
+    from ds_hilore.runtime import (
+        attach,  # the runtime needs no DeepSpeed; imported when enabled only
+    )
 
     runtime = attach(engine.module, hilore_config)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -273,7 +275,7 @@ def _check_budget(runtime: Any, hilore_config: HiLoReConfig) -> None:
     budget = hilore_config.memory_budget_bytes
     if budget is None:
         return
-    from .memory import in_use_bytes
+    from ds_hilore.runtime.memory import in_use_bytes
 
     in_use = in_use_bytes()  # bytes
     if runtime.collective is not None:
@@ -316,6 +318,17 @@ class TorchDistCollective:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
                                    group=self.group)
         return box[0]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` (picklable) on every rank."""
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                   group=self.group)
+        return box[0]
+
+    def all_reduce_max_float(self, values: list[float]) -> list[float]:
+        """Element-wise max over ranks (float64)."""
+        return self._all_reduce(values, torch.float64, dist.ReduceOp.MAX)
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
         """Element-wise max over ranks."""

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .bundle import LayerFrame
-from .storage import Counters
+from ds_hilore.runtime.bundle import LayerFrame
+from ds_hilore.runtime.storage import Counters
 
 logger = logging.getLogger("ds_hilore")
 
@@ -36,6 +36,8 @@ class Microbatch:
         self.summary: dict[str, Any] = {}
         self.late_leaks: list[torch.Tensor] = []  # per-layer elision checks, read at the end
         self.packed: bool | None = None  # several sequences per row (NOTE [ Packed sequences ])
+        self.profile = None  # a profiler measuring this microbatch's units (ds_hilore.plan)
+        self.plan_key = None  # what the policy planned this microbatch with
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)

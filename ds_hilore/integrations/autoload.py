@@ -38,7 +38,7 @@ defaults apply.
 #    import. If deepspeed is already imported, ``install`` replaces the function at once.
 # 3. Each call of the replacement comes here (``initialize``): an engine trains when an
 #    optimizer or model_parameters is passed or the ds_config has an "optimizer" block
-#    (DeepSpeed then builds one); those calls go to ds_hilore.engine, every other call to
+#    (DeepSpeed then builds one); those calls go to ds_hilore.integrations.engine, every other call to
 #    deepspeed's own function. ds_hilore.initialize always calls the function that was
 #    replaced (``TrainingInitialize.deepspeed_initialize``), so the two never nest, and an
 #    explicit ds_hilore.initialize in a script run this way attaches HiLoRe once.
@@ -50,9 +50,15 @@ import inspect
 import os
 from typing import Any
 
-from _ds_hilore_autoload import ENV_CONFIG, ENV_SWITCH, SWITCH_OFF, TrainingInitialize, install, switched_on
-
-from ._errors import HiLoReConfigError
+from _ds_hilore_autoload import (
+    ENV_CONFIG,
+    ENV_SWITCH,
+    SWITCH_OFF,
+    TrainingInitialize,
+    install,
+    switched_on,
+)
+from ds_hilore._errors import HiLoReConfigError
 
 __all__ = ["ENV_CONFIG", "ENV_SWITCH", "TrainingInitialize", "fallback_block", "initialize", "install",
            "switched_on"]
@@ -62,7 +68,7 @@ SWITCH_ON = ("1", "true", "yes", "on")
 
 def initialize(replacement: TrainingInitialize, args: tuple, kwargs: dict) -> Any:
     """One call of the replaced ``deepspeed.initialize(*args, **kwargs)`` (NOTE [ Autoload ])."""
-    from . import engine
+    from ds_hilore.integrations import engine
 
     bound = inspect.signature(replacement.deepspeed_initialize).bind(*args, **kwargs)
     bound.apply_defaults()

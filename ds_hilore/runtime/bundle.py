@@ -44,11 +44,20 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._errors import HiLoReError, bug
-from .exposure import input_norms
-from .storage import (ACT, FLOAT_DTYPES, INPUT, MIN_PACK_GROUP, WEIGHT, Slot, Stored, row_block,
-                      stand_in_value)
-from .units import LayerUnits
+from ds_hilore._errors import HiLoReError, bug
+from ds_hilore.grpo.exposure import input_norms
+from ds_hilore.runtime.storage import (
+    ACT,
+    FLOAT_DTYPES,
+    INPUT,
+    MIN_PACK_GROUP,
+    WEIGHT,
+    Slot,
+    Stored,
+    row_block,
+    stand_in_value,
+)
+from ds_hilore.runtime.units import LayerUnits
 
 
 class StopReplay(Exception):
@@ -344,8 +353,16 @@ class LayerFrame:
         self.rng = RngState(self.device)
         self.autocast = autocast_state(self.device.type)
         self.autocast_cache = torch.is_autocast_cache_enabled()
+        profile = self.ctx.profile
+        if profile is not None:
+            self.clock = [(0, profile.now(self.device))]
         with self._child_hooks(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.fn(*self.args)
+            out = self.fn(*self.args)
+        if profile is not None:  # NOTE [ Profiling ]: the forward of a unit is what R re-runs
+            self.clock.append((None, profile.now(self.device)))
+            for (pos, begin), (_, end) in zip(self.clock, self.clock[1:]):
+                profile.unit_time(self.layer.units[pos], end - begin)
+        return out
 
     @contextlib.contextmanager
     def _child_hooks(self):
@@ -371,6 +388,8 @@ class LayerFrame:
         pos = self.split.unit_of_call(call)
         if pos not in self.entered:
             self.entered.add(pos)
+            if self.ctx.profile is not None and pos:
+                self.clock.append((pos, self.ctx.profile.now(self.device)))
             first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
             if first is not None:
                 self.boundary.add(first.untyped_storage().data_ptr())
@@ -384,6 +403,10 @@ class LayerFrame:
             return
         call = len(self.calls) - 1
         pos = self.split.unit_of_call(call)
+        if self.ctx.profile is not None and pos + 1 < len(self.units):
+            # what a fast-forward of this call would keep when a later unit is recomputed
+            self.ctx.profile.fast_forward(self.layer.units[pos],
+                                          FastForward(output, call, self.split.cut, None).nbytes())
         if self.follows and self.plan.needs_fast_forward(pos):
             # code of the layer body after this call (e.g. a dropout) draws from the RNG as it
             # is at the call's exit; a fast-forward must leave it there too
@@ -420,21 +443,27 @@ class LayerFrame:
         stored = unit.by_ptr.get(ptr)
         if stored is not None and not stored.weak.expired() and stored.dtype == t.dtype:
             return stored
-        block = row_block(t, self.batch, self.seq_len) if self.sliceable else None
-        group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
-        packable = (block is not None and t.dtype in FLOAT_DTYPES and ptr not in self.boundary
-                    and block >= self.ctx.min_pack_numel and self.ctx.codec is not None
-                    and group >= MIN_PACK_GROUP)
-        stored = Stored(t, self.batch, block, group or 1, self.ctx.codec, packable, self.ctx.counters,
-                        (weakref.ref(self), pos))
+        stored = self.new_stored(pos, t, self.ctx.counters)
         unit.by_ptr[ptr] = stored  # an address reused after free gets a new entry
         unit.stored.append(stored)
         rows = self.plan.rows[pos] or (self.plan.actions[pos],) * self.batch
         for action in ("E", "L"):
             selected = [i for i, a in enumerate(rows) if a == action]
-            if selected and (action == "E" or packable):
+            if selected and (action == "E" or stored.packable):
                 stored.set_rows(selected, action)
         return stored
+
+    def new_stored(self, pos: int, t: torch.Tensor, counters) -> Stored:
+        """How unit ``pos`` keeps the saved tensor ``t`` (whole; per sequence if sliceable;
+        packable or not), before any sequence is packed or elided."""
+        block = row_block(t, self.batch, self.seq_len) if self.sliceable else None
+        group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
+        packable = (block is not None and t.dtype in FLOAT_DTYPES
+                    and t.untyped_storage().data_ptr() not in self.boundary
+                    and block >= self.ctx.min_pack_numel and self.ctx.codec is not None
+                    and group >= MIN_PACK_GROUP)
+        return Stored(t, self.batch, block, group or 1, self.ctx.codec, packable, counters,
+                      (weakref.ref(self), pos))
 
     # ------------------------------------------------------------------ after forward
     def downgrade(self, pos: int, action: str, rows=None) -> None:
@@ -547,6 +576,8 @@ class LayerFrame:
                 "state or cache kept on the module) that its discovery did not see. Exclude it "
                 "with 'layer_pattern' in the \"hilore\" block, or disable hilore for this model.")
         slot = unit.slots[k]()
+        if self.ctx.profile is not None and slot is not None and slot.kind == ACT:
+            self.ctx.profile.saved_tensor(self, pos, t)  # bytes and codec costs, one at a time
         if slot is not None and slot.empty():
             slot.ref = t.detach()
             slot.consumed = False

@@ -1,6 +1,6 @@
 """Tiny random-weight causal LMs of any architecture registered in transformers (no downloads).
 
-    >>> from ds_hilore import zoo
+    >>> from ds_hilore.bench import zoo
     >>> model = zoo.tiny_causal_lm("qwen3")            # 2 layers, hidden 64, dropout 0.1
     >>> inputs = zoo.tiny_batch(model)                 # (3, 16) ids, one left-padded row
 
@@ -190,7 +190,7 @@ def tiny_causal_lm(model_type: str, *, layers: int = 2, hidden: int = 64, seed: 
     """
     if model_type not in causal_lm_types():
         raise KeyError(f"{model_type!r} is not a causal-LM model_type of transformers; "
-                       "see ds_hilore.zoo.causal_lm_types()")
+                       "see ds_hilore.bench.zoo.causal_lm_types()")
     size = Size(layers=layers, hidden=hidden, vocab=vocab, dropout=dropout)
     config = _small_config(model_type, size)
     model = _build(model_type, config, seed)

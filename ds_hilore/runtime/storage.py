@@ -17,7 +17,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 if TYPE_CHECKING:
-    from .bundle import LayerFrame
+    from ds_hilore.runtime.bundle import LayerFrame
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A packed group costs its payload plus one fp32 scale: narrower rows (a norm's (B, T, 1) rstd)

@@ -1,4 +1,4 @@
-"""``python -m ds_hilore.demo``: HiLoRe next to no checkpointing and HF gradient checkpointing.
+"""``python -m ds_hilore.bench.demo``: HiLoRe next to no checkpointing and HF gradient checkpointing.
 
 On a small Qwen2-shaped causal LM with random weights (or a local checkpoint, ``--model PATH``;
 nothing is ever downloaded) with LoRA adapters on every linear layer, each method of ``METHODS``
@@ -32,11 +32,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from ds_hilore.codecs import codec_from_config
 from ds_hilore.config import HiLoReConfig
 from ds_hilore.grpo import PolicyLoss, group_advantages, policy_loss, token_logprobs
-from ds_hilore.memory import PeakMeter
 from ds_hilore.runtime import HiLoReRuntime, attach
+from ds_hilore.runtime.codecs import codec_from_config
+from ds_hilore.runtime.memory import PeakMeter
 
 __all__ = ["METHODS", "PRESETS", "DemoPreset", "Method", "main"]
 
@@ -378,7 +378,7 @@ def _mib(nbytes: int | None) -> str:
 
 # ---------------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ds_hilore.demo",
+    parser = argparse.ArgumentParser(prog="python -m ds_hilore.bench.demo",
                                      description=__doc__.splitlines()[0].split(": ", 1)[-1])
     add_arguments(parser)
     return parser.parse_args(argv)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from ._errors import HiLoReError
+from ds_hilore._errors import HiLoReError
 
 TWO_UNITS = ("attn", "mlp")  # execution order inside a split decoder layer
 ONE_UNIT = ("block",)

@@ -25,17 +25,22 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from . import exposure
-from ._errors import HiLoReError
-from . import discovery
-from .codecs import codec_from_config, relative_errors
-from .bundle import CapturePlan, LayerFrame, drop_cache, hidden_input
-from .microbatch import Microbatch
-from .storage import Counters
-from .weights import WeightRecognizer
-from .elision import Elision, gradient_entry
-from .config import HiLoReConfig
-from .units import LayerUnits, Unit, find_layers, is_checkpointing_layer
+from ds_hilore._errors import HiLoReError
+from ds_hilore.config import HiLoReConfig
+from ds_hilore.grpo import exposure, handoff
+from ds_hilore.runtime import discovery
+from ds_hilore.runtime.bundle import CapturePlan, LayerFrame, drop_cache, hidden_input
+from ds_hilore.runtime.codecs import codec_from_config, relative_errors
+from ds_hilore.runtime.elision import Elision, gradient_entry
+from ds_hilore.runtime.microbatch import Microbatch
+from ds_hilore.runtime.storage import Counters
+from ds_hilore.runtime.units import (
+    LayerUnits,
+    Unit,
+    find_layers,
+    is_checkpointing_layer,
+)
+from ds_hilore.runtime.weights import WeightRecognizer
 
 logger = logging.getLogger("ds_hilore")
 
@@ -117,6 +122,12 @@ class HiLoReRuntime:
     def __init__(self, model: nn.Module, config: HiLoReConfig):
         self.model, self.config = model, config
         self.collective = None  # set by engine.py for multi-rank runs
+        # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
+        # of set_plan / force_plan holds. The runtime calls it at fixed points and never
+        # imports it: begin_forward(args, kwargs) before a training forward of the model,
+        # begin_microbatch(mb) at its first layer, after_coefficients(mb) once ω and exposure
+        # are known, top_grad(mb, grad) when the backward reaches the last layer, end_step().
+        self.policy = None
         self.attached = False
         self._switched_on = True
         self._last_toggle = None
@@ -326,6 +337,8 @@ class HiLoReRuntime:
 
     def end_step(self) -> None:
         """Close the optimizer step: ``stats`` now reports it."""
+        if self.policy is not None:
+            self.policy.end_step()
         self._last_step, self._step = self._step, []
 
     def state_dict(self) -> dict[str, Any]:
@@ -359,6 +372,7 @@ class HiLoReRuntime:
             if PreTrainedModel and isinstance(module, PreTrainedModel):
                 self._remember(module, "_set_gradient_checkpointing")
                 module._set_gradient_checkpointing = _Toggle(self, module._set_gradient_checkpointing)
+        self._hooks.append(self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True))
         # the leaf module running names the weight an autocast cast comes from (weights.py)
         for layer in self._layers:
             for leaf in layer.module.modules():
@@ -367,6 +381,11 @@ class HiLoReRuntime:
                     self._hooks.append(leaf.register_forward_hook(self._leave_leaf))
         self.attached = True
         _ATTACHED.add(self)
+
+    def _begin_forward(self, module, args, kwargs) -> None:
+        if (self.policy is not None and self.enabled and module.training and torch.is_grad_enabled()
+                and not self._probing and all(layer.split is not None for layer in self._layers)):
+            self.policy.begin_forward(args, kwargs)
 
     def _enter_leaf(self, module, args) -> None:
         self._weights.leaf = module
@@ -497,6 +516,8 @@ class HiLoReRuntime:
             self._step.append(self._mb.summary)
             if len(self._step) > _MAX_MICROBATCHES_KEPT:
                 del self._step[0]
+            if self.policy is not None and not self._probing:
+                self.policy.begin_microbatch(self._mb)
         return self._mb
 
     def _capture_plan(self, layer: LayerUnits) -> CapturePlan:
@@ -569,3 +590,13 @@ def _sum_dicts(dicts) -> dict[str, int]:
         for k, v in d.items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def _receive_coefficients(coefficients: torch.Tensor, logp: torch.Tensor, model: nn.Module | None) -> None:
+    """ω published by a ``ds_hilore.grpo`` loss goes to the runtime of the model it came from."""
+    runtime = find_runtime(model)
+    if runtime is not None and runtime.enabled:
+        runtime.set_coefficients(coefficients, logp=logp)
+
+
+handoff.subscribe(_receive_coefficients)

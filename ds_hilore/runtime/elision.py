@@ -28,8 +28,8 @@ import logging
 import torch
 from torch.utils._pytree import tree_flatten
 
-from . import exposure
-from ._errors import HiLoReError
+from ds_hilore._errors import HiLoReError
+from ds_hilore.grpo import exposure
 
 logger = logging.getLogger("ds_hilore")
 
@@ -71,6 +71,8 @@ class Elision:
                     covered = exposure.window(abs_omega, coefficients.shape[1], offset)
                     weights = exposure.token_weights(norms, covered)
                     mb.exposure[unit.name] = exposure.slice_exposure(abs_omega, weights)
+        if self.runtime.policy is not None:  # the allocator spends the risk budget now
+            self.runtime.policy.after_coefficients(mb)
         self.runtime._summarise(mb)
 
     def _on_hidden_grad(self, mb, grad: torch.Tensor) -> None:
@@ -87,6 +89,8 @@ class Elision:
         if last:
             self._on_hidden_grad(mb, grad)
             self._check_at_top(mb, grad)
+            if self.runtime.policy is not None:
+                self.runtime.policy.top_grad(mb, grad)
             return
         frame = frame_ref()
         if frame is None or not frame.elided_rows or grad.dim() < 2:

@@ -38,9 +38,15 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._errors import HiLoReError
-from .bundle import Replay, RngState, autocast_state, placeholder, replay_autocast
-from .units import LayerUnits, Split
+from ds_hilore._errors import HiLoReError
+from ds_hilore.runtime.bundle import (
+    Replay,
+    RngState,
+    autocast_state,
+    placeholder,
+    replay_autocast,
+)
+from ds_hilore.runtime.units import LayerUnits, Split
 
 logger = logging.getLogger("ds_hilore")
 

@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import HiLoReError
+from ds_hilore._errors import HiLoReError
 
 __all__ = ["LiveStorages", "PeakMeter", "in_use_bytes", "live_storage_bytes"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ds_hilore.grpo import group_advantages, policy_loss
-from ds_hilore.losses import LOSS_TYPES, RATIO_LEVELS
+from ds_hilore.grpo.losses import LOSS_TYPES, RATIO_LEVELS
 
 __all__ = ["demo"]
 
