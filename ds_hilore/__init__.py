@@ -9,7 +9,8 @@ Public API:
 
 from ds_hilore._errors import HiLoReConfigError, HiLoReError
 from ds_hilore.config import HiLoReConfig
-from ds_hilore.runtime import HiLoReRuntime, attach, find_runtime
+from ds_hilore.plan import attach
+from ds_hilore.runtime import HiLoReRuntime, find_runtime
 
 __all__ = ["HiLoReConfig", "HiLoReConfigError", "HiLoReError", "HiLoReRuntime", "attach",
            "find_runtime", "grpo", "initialize"]

@@ -66,6 +66,10 @@ class HiLoReConfig(DeepSpeedConfigModel):
         "Per-rank peak-memory budget, a multiple of gradient checkpointing's measured peak."))
     memory_budget_bytes: Optional[_Int] = Field(None, strict=True, gt=0, description=(
         "Absolute per-rank peak-memory budget in bytes; use instead of memory_budget."))
+    memory_fraction: Optional[float] = Field(None, strict=True, gt=0.0, le=1.0, allow_inf_nan=False,
+        description=("Per-rank peak-memory budget as a fraction of the device's memory (CPU: of the "
+                     "memory the process may use, shared by the node's ranks); use instead of "
+                     "memory_budget."))
     grad_error_tolerance: float = Field(0.015, strict=True, ge=0.0, lt=1.0, allow_inf_nan=False,
         description="Mean relative gradient error that L (packing) may add: the risk budget.")
     low_precision: Literal[LOW_PRECISION] = Field("int8", description=(
@@ -89,8 +93,11 @@ class HiLoReConfig(DeepSpeedConfigModel):
     mlp_children: Optional[list[_Str]] = Field(None, description=(
         "Override: child-module names of a decoder layer that form its MLP unit; null = found "
         "from execution. Set together with attn_children."))
-    calibration_microbatches: _Int = Field(16, strict=True, ge=0, description=(
+    calibration_microbatches: _Int = Field(4, strict=True, ge=0, description=(
         "Microbatches of matched passes that calibrate susceptibility; 0 skips calibration."))
+    profile_microbatches: _Int = Field(3, strict=True, ge=1, description=(
+        "Microbatches of a new shape run all-R (as GC) and are measured before HiLoRe plans for "
+        "that shape; the first warms up (and meters the peak on CPU), the rest are timed."))
     refresh_interval: _Int = Field(1, strict=True, ge=1,
                                   description="Re-estimate exposure and risk every N microbatches.")
     validation_interval: _Int = Field(0, strict=True, ge=0, description=(
@@ -142,12 +149,15 @@ class HiLoReConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_contradictions(self) -> "HiLoReConfig":
-        if "memory_budget" in self.model_fields_set and self.memory_budget_bytes is not None:
+        given = [key for key in ("memory_budget", "memory_budget_bytes", "memory_fraction")
+                 if key in self.model_fields_set and getattr(self, key) is not None]
+        if len(given) > 1:
             raise HiLoReConfigError(
-                f"hilore.memory_budget = {_show(self.memory_budget)} and hilore.memory_budget_bytes"
-                f" = {self.memory_budget_bytes} are both set, but they are alternatives (a "
-                "multiple of gradient checkpointing's peak, or absolute bytes per rank). "
-                "Fix: remove one of the two keys.")
+                f"hilore.{given[0]} = {_show(getattr(self, given[0]))} and hilore.{given[1]} = "
+                f"{_show(getattr(self, given[1]))} are both set, but they are alternatives (a "
+                "multiple of gradient checkpointing's peak, absolute bytes per rank, or a fraction "
+                "of the device's memory). Fix: keep exactly one of memory_budget, "
+                "memory_budget_bytes and memory_fraction.")
         if (self.attn_children is None) != (self.mlp_children is None):
             given, missing = (("attn_children", "mlp_children") if self.mlp_children is None
                               else ("mlp_children", "attn_children"))
@@ -239,10 +249,11 @@ class HiLoReConfig(DeepSpeedConfigModel):
     def to_dict(self) -> dict[str, Any]:
         """The block as a JSON-ready dict; ``HiLoReConfig(**c.to_dict()) == c``.
 
-        ``memory_budget`` is left out when ``memory_budget_bytes`` is in force (they exclude
+        ``memory_budget`` is left out when ``memory_budget_bytes`` or ``memory_fraction`` is in force (they exclude
         each other, so the round trip would otherwise fail).
         """
-        exclude = {"memory_budget"} if self.memory_budget_bytes is not None else None
+        alternative = self.memory_budget_bytes is not None or self.memory_fraction is not None
+        exclude = {"memory_budget"} if alternative else None
         return self.model_dump(exclude=exclude)
 
 

@@ -16,6 +16,7 @@ CONTRACT_DEFAULTS = {
     "enabled": True,
     "memory_budget": 1.10,
     "memory_budget_bytes": None,
+    "memory_fraction": None,
     "grad_error_tolerance": 0.015,
     "low_precision": "int8",
     "codec_backend": "compile",
@@ -26,7 +27,8 @@ CONTRACT_DEFAULTS = {
     "layer_pattern": None,
     "attn_children": None,  # units are found from each layer's execution
     "mlp_children": None,
-    "calibration_microbatches": 16,
+    "calibration_microbatches": 4,
+    "profile_microbatches": 3,
     "refresh_interval": 1,
     "validation_interval": 0,
     "exposure_source": "auto",
@@ -449,7 +451,20 @@ def test_memory_budget_and_bytes_both_set():
     message = config_error(memory_budget=1.2, memory_budget_bytes=8_000_000_000)
     assert "hilore.memory_budget = 1.2" in message
     assert "hilore.memory_budget_bytes = 8000000000" in message
-    assert "remove one of the two keys" in message
+    assert "keep exactly one of memory_budget, memory_budget_bytes and memory_fraction" in message
+
+
+@pytest.mark.parametrize("other", [{"memory_budget": 1.5}, {"memory_budget_bytes": 10**9}])
+def test_memory_fraction_excludes_the_other_budgets(other):
+    message = config_error(memory_fraction=0.9, **other)
+    assert "hilore.memory_fraction = 0.9" in message and "keep exactly one" in message
+
+
+def test_memory_fraction_bounds_and_round_trip():
+    assert "out of range" in config_error(memory_fraction=0.0)
+    assert "out of range" in config_error(memory_fraction=1.5)
+    config = HiLoReConfig(memory_fraction=0.9)
+    assert HiLoReConfig(**config.to_dict()) == config
 
 
 def test_memory_budget_at_its_default_value_still_counts_as_set():

@@ -15,6 +15,7 @@ wrapped (``_Toggle``) so that "on" means HiLoRe and "off" means plain autograd. 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import hashlib
@@ -333,7 +334,22 @@ class HiLoReRuntime:
             out[key] = sum(m[key] for m in mbs)
         errors = relative_errors([e for m in mbs for e in m.pop("_packed_stats")])
         out["packed_rel_error_max"] = max(errors, default=0.0)
+        if self.policy is not None:  # peak, budget, error estimates, plans (ds_hilore.plan)
+            out.update(self.policy.stats)
         return out
+
+    @contextlib.contextmanager
+    def shadow(self):
+        """A forward and backward that leave no trace in ``stats`` or in the units' reported
+        actions (the scheduler's matched passes)."""
+        saved = (self._mb, self._step, self._n_microbatches, [(u.action, u.nbytes) for u in self._units])
+        self._mb, self._step = None, []
+        try:
+            yield
+        finally:
+            self._mb, self._step, self._n_microbatches, units = saved
+            for unit, (action, nbytes) in zip(self._units, units):
+                unit.action, unit.nbytes = action, nbytes
 
     def end_step(self) -> None:
         """Close the optimizer step: ``stats`` now reports it."""
@@ -342,8 +358,12 @@ class HiLoReRuntime:
         self._last_step, self._step = self._step, []
 
     def state_dict(self) -> dict[str, Any]:
-        """Learned state worth keeping across a resume (plan; profiles and calibration later)."""
-        return {"version": 1, "plan": dict(self._plan), "microbatches_seen": self._n_microbatches}
+        """Learned state worth keeping across a resume: plan, and the policy's profiles and
+        calibration."""
+        state = {"version": 1, "plan": dict(self._plan), "microbatches_seen": self._n_microbatches}
+        if self.policy is not None:  # profiles, calibration: a resume does not measure again
+            state["policy"] = self.policy.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != 1:
@@ -351,6 +371,8 @@ class HiLoReRuntime:
         known = {u.name for u in self._units}
         self._plan.update({k: v for k, v in state.get("plan", {}).items() if k in known})
         self._n_microbatches = int(state.get("microbatches_seen", 0))
+        if self.policy is not None and state.get("policy"):
+            self.policy.load_state_dict(state["policy"])
 
     # ------------------------------------------------------------------ installation
     def _install(self) -> None:

@@ -1,0 +1,39 @@
+"""What HiLoRe decides: per shape bucket, which units are stored (H), packed (L), split by
+sequence or recomputed (R), within a memory budget and a gradient-error budget.
+
+    profile.py    what each unit costs, measured on the running model (NOTE [ Profiling ])
+    risk.py       how much gradient error packing adds, calibrated from matched passes
+    calibrate.py  the matched passes (NOTE [ Matched passes ])
+    knapsack.py   the two-constraint multiple-choice knapsack (pure)
+    allocate.py   a bucket's plan from its profile (pure)
+    scheduler.py  the per-microbatch pipeline (NOTE [ One microbatch ])
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch.nn as nn
+
+from ds_hilore.config import HiLoReConfig
+from ds_hilore.runtime import HiLoReRuntime
+from ds_hilore.runtime import attach as attach_runtime
+
+__all__ = ["attach"]
+
+
+def attach(model: nn.Module, config: HiLoReConfig | Mapping | str | None = None) -> HiLoReRuntime:
+    """Make HiLoRe the activation checkpointing of ``model``, deciding by itself.
+
+    The runtime (``ds_hilore.runtime.attach``) plus the scheduler that plans every microbatch
+    within ``memory_budget`` and ``grad_error_tolerance``. With ``force_plan`` set, the plan is
+    fixed and nothing is measured or allocated.
+
+    Args / Returns / Raises: as ``ds_hilore.runtime.attach``.
+    """
+    from ds_hilore.plan.scheduler import Scheduler
+
+    runtime = attach_runtime(model, config)
+    if runtime.attached and runtime.config.force_plan is None:
+        runtime.policy = Scheduler(runtime)
+    return runtime

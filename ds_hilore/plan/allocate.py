@@ -1,0 +1,97 @@
+"""The capture plan of a shape bucket: a two-constraint multiple-choice knapsack over layers.
+
+One group per decoder layer; its options are the joint actions of the layer's units, each unit
+``H`` (stored whole), ``L`` (packed), ``S`` (per-sequence split: the more exposed half of the
+sequences H, the rest L) or ``R`` (recomputed). An option is priced exactly from the profile:
+memory = the bytes each unit keeps, plus the fast-forward tensor of every kept unit followed by
+a recomputed one in the same layer; utility = the measured seconds it saves against R; risk =
+the risk model's estimate of the gradient error it adds (``risk.py``). The all-R option costs
+nothing, so a plan always exists (GC). Pure: plain data in, plain data out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from ds_hilore.plan import knapsack
+from ds_hilore.plan.profile import BucketProfile, UnitCost
+from ds_hilore.plan.risk import RiskModel, group_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Actions per unit name (``H`` / ``L`` / ``S`` / ``R``) and what the knapsack predicted."""
+
+    actions: dict[str, str]
+    memory_bytes: int  # bytes kept, fast-forward tensors included
+    utility_s: float  # seconds saved per microbatch against all-R
+    risk: float  # estimated relative gradient error
+    headroom_bytes: int  # what the budget left above GC's peak
+    bound_s: float  # utility lost to discretisation at most
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def all_r(cls, names, headroom: int = 0) -> "Plan":
+        return cls({n: "R" for n in names}, 0, 0.0, 0.0, headroom, 0.0)
+
+
+def unit_options(cost: UnitCost, codec: bool, split_share: float) -> dict[str, tuple[float, int, float]]:
+    """(utility s, bytes, eps share) of each action of one unit; share = part of the unit's
+    exposure that a split packs (its less exposed half)."""
+    options = {"R": (0.0, 0, 0.0), "H": (cost.utility_h, cost.h_bytes, 0.0)}
+    if codec and cost.l_bytes < cost.h_bytes:
+        options["L"] = (cost.utility_l, cost.l_bytes, 1.0)
+        if cost.sliceable and cost.rows >= 2:
+            half = cost.rows // 2  # rows packed
+            packed = half / cost.rows
+            options["S"] = (cost.recompute_s - cost.capture_s - packed * (cost.pack_s + cost.unpack_s),
+                            cost.h_bytes - int(packed * (cost.h_bytes - cost.l_bytes)), split_share)
+    return options
+
+
+def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_share: float,
+                 scale: float = 1.0) -> list[list[knapsack.Option]]:
+    """The knapsack groups of a profile: one per layer, every joint action an option.
+    ``scale`` (>= 1) stretches bytes and times to a bucket longer than the profiled shape."""
+    layers: dict[int, list[UnitCost]] = {}
+    for cost in profile.units:
+        layers.setdefault(cost.layer, []).append(cost)
+    n_layers = len(layers)
+    groups = []
+    for layer in sorted(layers):
+        units = sorted(layers[layer], key=lambda c: c.pos)
+        per_unit = [unit_options(c, codec, split_share) for c in units]
+        options = []
+        for combo in itertools.product(*(sorted(o) for o in per_unit)):
+            utility = memory = 0
+            danger = 0.0
+            for k, (cost, action) in enumerate(zip(units, combo)):
+                u, b, share = per_unit[k][action]
+                utility += u * scale
+                memory += int(b * scale)
+                if action != "R" and "R" in combo[k + 1:]:
+                    memory += int(cost.ff_bytes * scale)
+                danger += risk.risk(group_of(cost.kind, layer, n_layers), cost.rel_error, share)
+            options.append(knapsack.Option({c.name: a for c, a in zip(units, combo)},
+                                           utility, memory, danger))
+        groups.append(options)
+    return groups
+
+
+def allocate(profile: BucketProfile, risk: RiskModel, headroom_bytes: int, risk_budget: float,
+             codec: bool, split_share: float = 0.5, scale: float = 1.0) -> Plan:
+    """The capture plan with the most utility whose memory fits ``headroom_bytes`` (the budget
+    above GC's peak) and whose risk fits ``risk_budget``."""
+    names = [c.name for c in profile.units]
+    if headroom_bytes <= 0:
+        return Plan.all_r(names, headroom_bytes)
+    groups = layer_groups(profile, risk, codec, split_share, scale)
+    solution = knapsack.solve(groups, headroom_bytes, risk_budget)
+    actions = {}
+    for group, index in zip(groups, solution.choice):
+        actions.update(group[index].label)
+    return Plan(actions, solution.memory, solution.utility, solution.risk, headroom_bytes,
+                solution.bound)

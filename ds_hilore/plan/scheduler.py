@@ -1,0 +1,325 @@
+"""The scheduler: HiLoRe deciding by itself, one microbatch at a time.
+
+NOTE [ One microbatch ]
+    begin_forward     shape bucket (all-reduced max over ranks); unseen -> all-R and profiled
+                      (profile.py); profiled -> the bucket's plan (allocate.py), sequences split
+                      by predicted exposure (``expect``) when known
+    begin_microbatch  the runtime's microbatch gets the profiler sample, if any
+    after_coefficients  ω known: exposure per unit and sequence; the riskiest packed units go
+                      to R until the estimated error fits the risk budget (A = 0 rows are elided
+                      by the runtime already)
+    top_grad          the backward reached the last layer: end of a profiled microbatch is
+                      queued; the gradient there is kept when a matched pass will need it
+    end_step          matched passes (calibration, validation) on a separate graph, with
+                      training's RNG untouched and the accumulated gradients never touched
+
+The runtime calls these (NOTE [ Policy ] in runtime/core.py); the decisions are plain functions
+(allocate.py, risk.py, knapsack.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from ds_hilore.plan import budget as budgets
+from ds_hilore.plan.allocate import Plan, allocate
+from ds_hilore.plan.calibrate import MatchedPasses
+from ds_hilore.plan.profile import BucketProfile, Profiler
+from ds_hilore.plan.risk import RiskModel, group_of, share
+from ds_hilore.runtime.memory import PeakMeter, in_use_bytes
+
+logger = logging.getLogger("ds_hilore")
+
+
+@dataclasses.dataclass
+class Bucket:
+    key: tuple[int, int]
+    profiler: Profiler
+    profile: BucketProfile | None = None
+    plan: Plan | None = None
+    budget_bytes: int | None = None
+
+
+class Scheduler:
+    """Decides the plan of every microbatch of one runtime (see the module's NOTE)."""
+
+    def __init__(self, runtime):
+        self.runtime, self.config = runtime, runtime.config
+        self.buckets: dict[tuple[int, int], Bucket] = {}
+        self.risk = RiskModel()
+        self.tighten = 1.0  # validation halves the risk budget when the measured error exceeds it
+        self.expected: list[float] | None = None  # predicted exposure per sequence (expect)
+        self.bucket: Bucket | None = None  # of the forward in progress
+        self.sample = None  # profiler sample of the forward in progress
+        self.meter: PeakMeter | None = None
+        self.baseline = 0
+        self.passes = MatchedPasses(self)
+        self.calibrated = 0  # microbatches calibrated so far
+        self.steps = 0
+        self.alloc_s = 0.0  # this step's allocation time
+        self.step_stats: dict[str, Any] = {}
+        self.last_stats: dict[str, Any] = {}
+        self._reset_step()
+
+    # ------------------------------------------------------------------ pipeline
+    def begin_forward(self, args, kwargs) -> None:
+        if self.passes.running:
+            return
+        begin = time.perf_counter()
+        self._close_meter()
+        key = self._bucket_key(args, kwargs)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = Bucket(key, Profiler(key, self.config.profile_microbatches))
+        self.bucket = bucket
+        if bucket.plan is None and bucket.profiler.done:
+            self._plan_bucket(bucket)
+        if bucket.plan is None:  # NOTE [ Profiling ]: measured all-R, as GC
+            self.runtime.set_plan("R")
+            self._open_meter(len(bucket.profiler.samples) == 0)
+        else:
+            self._apply(bucket)
+        self.passes.begin_forward(args, kwargs, bucket)
+        self.alloc_s += time.perf_counter() - begin
+
+    def begin_microbatch(self, mb) -> None:
+        if self.passes.running or self.bucket is None:
+            return
+        mb.plan_key = self.bucket.key
+        if self.bucket.plan is None:
+            units = self.runtime.units
+            self.sample = self.bucket.profiler.sample(units, self.runtime._codec, self._device())
+            mb.profile = self.sample
+
+    def after_coefficients(self, mb) -> None:
+        """ω and exposure are known: spend the risk budget on this update (NOTE [ One microbatch ])."""
+        if self.passes.running or mb.plan_key not in self.buckets:
+            return
+        begin = time.perf_counter()
+        bucket = self.buckets[mb.plan_key]
+        if bucket.plan is not None:
+            estimate = self._fit_risk(mb, bucket)
+            self.step_stats["grad_error_est"].append(estimate)
+        self.alloc_s += time.perf_counter() - begin
+
+    def top_grad(self, mb, grad: torch.Tensor) -> None:
+        if self.passes.running:
+            return
+        self.passes.top_grad(mb, grad)
+        if mb.profile is not None:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_profile(mb))
+        else:
+            peak = self._peak_now()
+            self.step_stats["peak_bytes"] = max(self.step_stats["peak_bytes"] or 0, peak)
+
+    def end_step(self) -> None:
+        if self.passes.running:
+            return
+        self._close_meter()
+        self.passes.run()
+        self.steps += 1
+        self.step_stats["alloc_s"] = self.alloc_s
+        self.last_stats = self.step_stats
+        self._reset_step()
+
+    # ------------------------------------------------------------------ public
+    def expect(self, exposure: list[float] | None) -> None:
+        """Predicted exposure per sequence of the next microbatch (e.g. |A_i| * tokens_i when
+        on-policy with beta = 0): its sequences are split and elided by it before the forward."""
+        self.expected = None if exposure is None else [float(x) for x in exposure]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        s = self.last_stats or self.step_stats
+        est = s.get("grad_error_est") or []
+        bucket = self.bucket
+        return {"peak_bytes": s.get("peak_bytes"),
+                "budget_bytes": bucket.budget_bytes if bucket else None,
+                "grad_error_est": sum(est) / len(est) if est else None,
+                "grad_error_measured": s.get("grad_error_measured"),
+                "alloc_s": s.get("alloc_s", self.alloc_s),
+                "risk_budget": self.config.grad_error_tolerance * self.tighten,
+                "plans": {f"{k[0]}x{k[1]}": (b.plan.to_dict() if b.plan else None)
+                          for k, b in self.buckets.items()},
+                "calibration": {"microbatches": self.calibrated, "seconds": self.passes.seconds,
+                                "susceptibility": dict(self.risk.to_dict()["samples"])},
+                "profiles": {f"{k[0]}x{k[1]}": (b.profile.to_dict() if b.profile else None)
+                             for k, b in self.buckets.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"risk": self.risk.to_dict(), "tighten": self.tighten, "calibrated": self.calibrated,
+                "profiles": [b.profile.to_dict() for b in self.buckets.values() if b.profile]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.risk = RiskModel.from_dict(state.get("risk", {}))
+        self.tighten = float(state.get("tighten", 1.0))
+        self.calibrated = int(state.get("calibrated", 0))
+        for data in state.get("profiles", []):
+            profile = BucketProfile.from_dict(data)
+            bucket = Bucket(profile.key, Profiler(profile.key, 0), profile)
+            self.buckets[profile.key] = bucket
+            self._plan_bucket(bucket, profiled=False)
+
+    # ------------------------------------------------------------------ planning
+    def _plan_bucket(self, bucket: Bucket, profiled: bool = True) -> None:
+        if profiled:
+            bucket.profile = self._agree(bucket.profiler.result())
+        profile = bucket.profile
+        device = self._device()
+        bucket.budget_bytes = budgets.budget_bytes(self.config, profile.gc_peak_bytes, device)
+        headroom = bucket.budget_bytes - profile.gc_peak_bytes
+        if headroom < 0:
+            logger.warning("ds_hilore: the memory budget (%s: %.1f MiB per rank) is below what "
+                           "gradient checkpointing itself needs on %dx%d (%.1f MiB); running as GC "
+                           "(all R). Fix: raise the budget.", budgets.describe(self.config),
+                           bucket.budget_bytes / 2**20, *bucket.key, profile.gc_peak_bytes / 2**20)
+        bucket.plan = self._broadcast(allocate(profile, self.risk, headroom, self._risk_budget(),
+                                               self.runtime._codec is not None))
+        mix = {a: sum(1 for x in bucket.plan.actions.values() if x == a) for a in "HLSR"}
+        logger.info("ds_hilore: plan for %dx%d: %s, %.1f MiB kept of %.1f MiB headroom, est. "
+                    "error %.4f", *bucket.key, mix, bucket.plan.memory_bytes / 2**20,
+                    max(headroom, 0) / 2**20, bucket.plan.risk)
+
+    def replan(self) -> None:
+        """After calibration or validation changed the risk model: every bucket again."""
+        for bucket in self.buckets.values():
+            if bucket.profile is not None:
+                self._plan_bucket(bucket, profiled=False)
+
+    def _apply(self, bucket: Bucket) -> None:
+        """The bucket's plan for this microbatch: splits by predicted exposure, A = 0 elided."""
+        plan, batch = bucket.plan, bucket.key[0]
+        expected = self.expected if self.expected is not None and len(self.expected) == batch else None
+        order = sorted(range(batch), key=lambda i: expected[i]) if expected else list(range(batch))
+        packed = set(order[:batch // 2])  # the less exposed half
+        actions, rows = {}, {}
+        for name, action in plan.actions.items():
+            actions[name] = "H" if action == "S" else action
+            if action in ("S", "H", "L") and (action == "S" or expected):
+                per_row = ["L" if (action == "S" and i in packed) or action == "L" else "H"
+                           for i in range(batch)]
+                if expected and not self.runtime.config.exposure_source == "hidden_grad":
+                    per_row = ["E" if expected[i] == 0 else a for i, a in enumerate(per_row)]
+                rows[name] = tuple(per_row)
+        self.runtime.set_plan(actions, rows)
+        self.expected = None  # one prediction per microbatch
+
+    def _fit_risk(self, mb, bucket: Bucket) -> float:
+        """Estimated error of this microbatch; packed units go to R, riskiest first, until it
+        fits the risk budget."""
+        costs = {c.name: c for c in bucket.profile.units}
+        n_layers = 1 + max(c.layer for c in costs.values())
+        exposure = {name: values.tolist() for name, values in mb.exposure.items()}  # one read
+        risks = {}
+        for frame in mb.live_frames():
+            for pos, unit in enumerate(frame.layer.units):
+                if frame.plan.actions[pos] == "R" or unit.name not in costs:
+                    continue
+                packed = [i for i, state in enumerate(_row_states(frame, pos)) if state == "L"]
+                if not packed:
+                    continue
+                cost = costs[unit.name]
+                part = share(exposure[unit.name], packed) if unit.name in exposure else \
+                    len(packed) / frame.batch
+                risks[unit.name] = self.risk.risk(group_of(cost.kind, cost.layer, n_layers),
+                                                  cost.rel_error, part)
+        budget = self._risk_budget()
+        total = sum(risks.values())
+        for name in sorted(risks, key=risks.get, reverse=True):
+            if total <= budget:
+                break
+            self.runtime.downgrade(name, "R")
+            total -= risks.pop(name)
+        return total
+
+    def _risk_budget(self) -> float:
+        return self.config.grad_error_tolerance * self.tighten
+
+    # ------------------------------------------------------------------ measuring
+    def _end_profile(self, mb) -> None:
+        sample, mb.profile = mb.profile, None
+        peak = self._close_meter()
+        positions = {layer.index: k for k, layer in enumerate(self.runtime._layers)}
+        bucket = self.buckets[mb.plan_key]
+        bucket.profiler.add(sample, positions, peak, self.baseline)
+        self.step_stats["peak_bytes"] = max(self.step_stats["peak_bytes"] or 0, peak or 0) or None
+
+    def _open_meter(self, meter_cpu: bool) -> None:
+        device = self._device()
+        self.baseline = in_use_bytes(device)
+        if device.type == "cuda" or meter_cpu:  # CPU: the meter slows ops, timed samples go without
+            self.meter = PeakMeter(device)
+            self.meter.__enter__()
+
+    def _close_meter(self) -> int | None:
+        meter, self.meter = self.meter, None
+        if meter is None:
+            return None
+        meter.__exit__(None, None, None)
+        return meter.peak_bytes
+
+    def _peak_now(self) -> int:
+        device = self._device()
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device)
+        return in_use_bytes(device)  # CPU: sampled where the peak lives, the start of the backward
+
+    # ------------------------------------------------------------------ ranks
+    def _bucket_key(self, args, kwargs) -> tuple[int, int]:
+        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if ids is None:
+            ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        batch, length = (ids.shape[0], ids.shape[1]) if ids is not None and ids.dim() >= 2 else (1, 1)
+        collective = self.runtime.collective
+        if collective is not None:
+            batch, length = collective.all_reduce_max([batch, length])
+        return int(batch), 1 << max(0, math.ceil(math.log2(max(1, length))))
+
+    def _agree(self, profile: BucketProfile) -> BucketProfile:
+        """Every rank plans from the same numbers: the element-wise max over ranks."""
+        collective = self.runtime.collective
+        if collective is None:
+            return profile
+        fields = ("recompute_s", "capture_s", "pack_s", "unpack_s", "rel_error")
+        values = [getattr(u, f) for u in profile.units for f in fields]
+        values += [u.h_bytes for u in profile.units] + [u.l_bytes for u in profile.units]
+        values += [u.ff_bytes for u in profile.units] + [profile.gc_peak_bytes]
+        values = collective.all_reduce_max_float([float(v) for v in values])
+        n, k = len(profile.units), len(fields)
+        for i, unit in enumerate(profile.units):
+            for j, f in enumerate(fields):
+                setattr(unit, f, values[i * k + j])
+            unit.h_bytes = int(values[n * k + i])
+            unit.l_bytes = int(values[n * k + n + i])
+            unit.ff_bytes = int(values[n * k + 2 * n + i])
+        profile.gc_peak_bytes = int(values[-1])
+        return profile
+
+    def _broadcast(self, plan: Plan) -> Plan:
+        collective = self.runtime.collective
+        return plan if collective is None else collective.broadcast_object(plan)
+
+    def _device(self) -> torch.device:
+        layer = self.runtime._layers[0].module
+        param = next(layer.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def _reset_step(self) -> None:
+        self.alloc_s = 0.0
+        self.step_stats = {"peak_bytes": None, "grad_error_est": [], "grad_error_measured": None}
+
+
+def _row_states(frame, pos: int) -> list[str]:
+    states = None
+    for stored in frame.units[pos].stored:
+        if stored.sliceable:
+            states = stored.row_states()
+            if "L" in states:
+                return states
+    return states or ["H"] * frame.batch
