@@ -115,6 +115,82 @@ def test_units_of_a_missing_checkpoint_never_downloads(tmp_path, capsys):
     assert "no config.json there" in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------------------------- profile
+def test_profile_of_qwen2_as_a_console_command(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    proc = _python("-m", "ds_hilore.cli", "profile", "--model", "qwen2", "--layers", "2",
+                   "--seq-len", "64", "--micro-batch", "4", "--calibrate", "2", "--threads", "1",
+                   "--json", str(path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(path.read_text())
+
+    # the units `hilore units` lists for the same model, in its order
+    assert cli.main(["units", "--arch", "qwen2"]) == 0
+    names = [row[0] for row in _unit_rows(capsys.readouterr().out, "model.layers.")]
+    assert len(names) == 4
+    assert [row["name"] for row in report["units"]] == names
+    assert [u["name"] for u in report["profile"]["units"]] == names
+    assert set(report["plan"]["actions"]) == set(names)
+
+    for row in report["units"]:
+        assert row["h_bytes"] > 0 and row["l_bytes"] > 0, row
+        assert row["recompute_s"] > 0, row
+        assert row["packable"] == (row["l_bytes"] < row["h_bytes"]), row
+        assert row["l_bytes"] <= row["h_bytes"], row
+        assert row["utility_h_s"] == pytest.approx(row["recompute_s"] - row["capture_s"])
+        assert row["utility_l_s"] == pytest.approx(row["recompute_s"] - row["pack_s"] - row["unpack_s"])
+        assert row["susceptibility"] > 0 and row["action"] in "HLSR"
+        assert row["susceptibility"] == report["susceptibility"]["groups"][row["group"]]
+    assert any(row["packable"] for row in report["units"])  # int8 packs qwen2's activations
+    assert report["calibration_microbatches"] == 2 and report["calibration_s"] > 0
+    assert sum(len(v) for v in report["susceptibility"]["samples"].values()) == 2
+    assert report["gc_peak_bytes"] > 0 and report["budget_bytes"] >= report["gc_peak_bytes"]
+    assert report["shape"] == {"micro_batch": 4, "seq_len": 64, "bucket": "4x64"}
+    assert sum(report["plan"]["mix"].values()) == 4
+    assert report["plan"]["memory_bytes"] <= report["plan"]["headroom_bytes"]
+
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("Qwen2ForCausalLM (qwen2): microbatch 4x64")
+    assert lines[1].startswith("GC peak ") and "MiB (whole process), budget " in lines[1]
+    header = next(i for i, line in enumerate(lines) if line.startswith("name "))
+    assert lines[header].split() == ["name", "kind", "H", "L", "ff", "recompute", "pack", "unpack",
+                                     "U(H)", "U(L)", "err", "s", "action"]
+    rows = {line.split()[0]: line.split() for line in lines[header + 2:header + 2 + len(names)]}
+    assert list(rows) == names
+    for row in report["units"]:
+        cells = rows[row["name"]]
+        assert cells[1] == row["kind"] and cells[-1] == row["action"]
+        assert float(cells[2]) == pytest.approx(row["h_bytes"] / 2**20, abs=1e-3)
+        assert float(cells[11]) == pytest.approx(row["susceptibility"], abs=1e-3)
+    assert any(line.startswith(f"plan: {report['plan']['mix']['H']} H, ") for line in lines)
+    assert "[5/5] microbatch 4x64 (planned, calibration pass)" in proc.stderr  # progress
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--model", "qwen2", "--seq-len", "1", "--micro-batch", "4"], "--seq-len 1: must be >= 2"),
+    (["--model", "qwen2", "--seq-len", "64", "--micro-batch", "0"], "--micro-batch 0: must be >= 1"),
+    (["--model", "lama", "--seq-len", "64", "--micro-batch", "4"],
+     "--model lama: unknown preset and no such directory"),
+    (["--model", "./no/such/dir", "--seq-len", "64", "--micro-batch", "4"],
+     "--model ./no/such/dir: no such directory"),
+    (["--model", "qwen2", "--seq-len", "64", "--micro-batch", "4", "--memory-budget", "0.5"],
+     "--memory-budget 0.5: must be >= 1.0"),
+])
+def test_profile_bad_flag_value_exits_2_with_one_line(capsys, flags, expected):
+    assert cli.main(["profile", *flags]) == cli.EXIT_CONFIG_ERROR
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith(f"error: {expected}"), captured.err
+    assert "pass " in captured.err  # the fix
+
+
+def test_profile_of_a_directory_without_a_checkpoint(tmp_path, capsys):
+    assert cli.main(["profile", "--model", str(tmp_path), "--seq-len", "8",
+                     "--micro-batch", "2"]) == cli.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"error: --model {tmp_path}: ") and "no config.json there" in err[-1]
+
+
 # ---------------------------------------------------------------------------------- config
 def _write(tmp_path, ds_config: dict) -> str:
     path = tmp_path / "ds_config.json"
@@ -158,7 +234,7 @@ def test_config_check_of_a_config_without_the_block(tmp_path, capsys):
 def test_every_subcommand_has_help():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"demo", "grpo-demo", "units", "config"}
+    assert set(sub.choices) == {"demo", "grpo-demo", "units", "profile", "config"}
     for name, action in sub.choices.items():
         assert action.description, name
         assert next(a for a in sub._choices_actions if a.dest == name).help, name
