@@ -38,7 +38,8 @@ import torch
 from models import beyond_gc, gc_loss_and_grads, loss_and_grads
 
 import ds_hilore
-from ds_hilore import HiLoReError, zoo
+from ds_hilore import HiLoReError
+from ds_hilore.bench import zoo
 
 REPRESENTATIVE = ("llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3", "gpt_neox",
                   "cohere", "opt", "qwen3_moe", "mixtral",

@@ -189,3 +189,26 @@ def test_resume_step3_equals_uninterrupted(resume_runs, case):
         assert part["losses"] == whole["losses"][2 * GAS:]  # step 3's micro-steps, bitwise
         assert part["param_sha"] == whole["param_sha"]
         assert part["steps"][-1]["hilore"] == whole["steps"][-1]["hilore"]
+
+
+# ---- the allocator: 2 ranks, different data, ZeRO-3 ---------------------------------------------
+@pytest.fixture(scope="module")
+def allocator_zero3():
+    # the file's own "hilore" block (memory_budget 1.1, no force_plan): HiLoRe decides
+    return launch("zero3_hilore:full:gc:grpo_rank0_only", "zero3_hilore:full:auto:grpo_rank0_only",
+                  timeout=300)
+
+
+def test_allocator_under_zero3_one_plan_no_hang_same_trajectory(allocator_zero3):
+    case = "zero3_hilore:full:auto:grpo_rank0_only"
+    r0, r1 = (case_result(r, case) for r in allocator_zero3)
+    for s0, s1 in zip(r0["steps"], r1["steps"], strict=True):
+        assert s0["hilore"]["plan_hash"] == s1["hilore"]["plan_hash"]
+    # 3 profiled microbatches (all R, as GC), then the plan: the tiny model's activations fit
+    # the budget, and storing them saves recompute time
+    assert r0["steps"][0]["hilore"]["recomputed_units"] == GAS * UNITS
+    assert "H" in r0["steps"][-1]["hilore"]["unit_actions"]
+    for rank in allocator_zero3:
+        got, ref = case_result(rank, case), case_result(rank, "zero3_hilore:full:gc:grpo_rank0_only")
+        # nothing of this model is packable (slices below min_pack_numel): H and R only, exact
+        assert got["losses"] == ref["losses"] and got["param_sha"] == ref["param_sha"]

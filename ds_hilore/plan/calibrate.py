@@ -157,7 +157,7 @@ class MatchedPasses:
                 torch.set_rng_state(job.rng)
                 for d, state in zip(devices, job.cuda_rng or []):
                     torch.cuda.set_rng_state(state, d)
-                runtime.set_plan(actions, rows)
+                runtime.apply_plan(actions, rows)
                 runtime.model(*job.args, **job.kwargs)
                 hidden = captured["h"]
                 hidden = hidden if isinstance(hidden, torch.Tensor) else next(

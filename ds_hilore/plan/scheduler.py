@@ -81,7 +81,7 @@ class Scheduler:
         if bucket.plan is None and bucket.profiler.done:
             self._plan_bucket(bucket)
         if bucket.plan is None:  # NOTE [ Profiling ]: measured all-R, as GC
-            self.runtime.set_plan("R")
+            self.runtime.apply_plan("R")
             self._open_meter(len(bucket.profiler.samples) == 0)
         else:
             self._apply(bucket)
@@ -207,7 +207,7 @@ class Scheduler:
                 if expected and not self.runtime.config.exposure_source == "hidden_grad":
                     per_row = ["E" if expected[i] == 0 else a for i, a in enumerate(per_row)]
                 rows[name] = tuple(per_row)
-        self.runtime.set_plan(actions, rows)
+        self.runtime.apply_plan(actions, rows)
         self.expected = None  # one prediction per microbatch
 
     def _fit_risk(self, mb, bucket: Bucket) -> float:
@@ -215,7 +215,9 @@ class Scheduler:
         fits the risk budget."""
         costs = {c.name: c for c in bucket.profile.units}
         n_layers = 1 + max(c.layer for c in costs.values())
-        exposure = {name: values.tolist() for name, values in mb.exposure.items()}  # one read
+        names = list(mb.exposure)
+        rows = torch.stack([mb.exposure[n] for n in names]).tolist() if names else []  # one read
+        exposure = dict(zip(names, rows))
         risks = {}
         for frame in mb.live_frames():
             for pos, unit in enumerate(frame.layer.units):

@@ -194,10 +194,18 @@ class HiLoReRuntime:
     def set_plan(self, plan: Mapping[str, str] | str, rows: Mapping[str, tuple[str, ...]] | None = None):
         """Capture actions for the next microbatches; ``force_plan`` still overrides them.
 
+        The caller takes the choice over: the allocator (``runtime.policy``) stops deciding, as
+        with ``force_plan``.
+
         Args:
             plan: ``"H"``, ``"L"``, ``"R"`` for every unit, or unit name (globs allowed) -> action.
             rows: optional per-sequence actions (``"H"``/``"L"``/``"E"``) for H/L units.
         """
+        self.policy = None
+        self.apply_plan(plan, rows)
+
+    def apply_plan(self, plan: Mapping[str, str] | str, rows: Mapping[str, tuple[str, ...]] | None = None):
+        """``set_plan`` for the policy: the same checks, the policy stays in charge."""
         if not isinstance(plan, str) and self._units:
             names = [u.name for u in self._units]
             unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]

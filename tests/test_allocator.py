@@ -1,0 +1,554 @@
+"""The allocator (ds_hilore.plan) deciding by itself, within the memory and the risk budgets.
+
+End to end on a tiny Qwen2 with synthetic GRPO microbatches (groups with and without reward
+spread, off-policy log-probs so that some tokens are clipped), against a copy of the model
+without HiLoRe fed the same inputs; and on ``allocate`` itself with hand-made profiles (pure).
+
+Codec doubles stand in for codecs that are slow (they sleep before packing) or lossy (they
+report, and add, 50 % relative error): the profiler measures them exactly as it measures the
+real one, so the allocator must find them out from its own measurements.
+
+Times are never asserted; decisions that depend on measured times are asserted as invariants
+(a unit kept only if its measured utility is positive) or checked against ``allocate`` run on
+the very profile the scheduler measured. Threads: torch runs on one thread here (see
+``_one_thread``): on a small, shared CPU two threads make a tiny model's microbatch ~10x slower.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import time
+
+import pytest
+import torch
+from models import VOCAB, tiny_model
+
+import ds_hilore
+from ds_hilore.grpo import group_advantages, policy_loss
+from ds_hilore.plan.allocate import allocate, layer_groups
+from ds_hilore.plan.profile import BucketProfile, UnitCost
+from ds_hilore.plan.risk import RiskModel
+from ds_hilore.runtime.memory import PeakMeter
+
+B, T = 4, 64  # sequences, positions: the shape bucket (4, 64)
+BUCKET, BUCKET_NAME = (4, 64), "4x64"
+PROFILED = 2  # profile_microbatches of these tests
+PLANNED = 20  # planned microbatches of the 1.6 budget run
+BASE = {"codec_backend": "eager",  # no torch.compile on a 2-core CPU
+        "min_pack_numel": 1024,  # hidden 64: (B, T, 64) slices are 4096 elements
+        "profile_microbatches": PROFILED,
+        "calibration_microbatches": 2}
+REWARDS = (torch.tensor([1.0, 0.0, 1.0, 1.0]),  # second group without spread: A = 0
+           torch.tensor([0.0, 1.0, 0.5, 0.25]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model():
+    return tiny_model("qwen2", layers=2, hidden=64, intermediate=128, dropout=False)
+
+
+def _grpo_microbatch(model, step: int, rewards: torch.Tensor | None = None, group_size: int = 2):
+    """Forward, GRPO loss (handed to the runtime of ``model``, if any), backward."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(3, VOCAB, (B, T), generator=g)
+    rewards = REWARDS[step % 2] if rewards is None else rewards
+    advantages = group_advantages(rewards, group_size=group_size)
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    old_logp = logp.detach() + 0.3 * torch.randn(logp.shape, generator=g)  # some ratios clip
+    mask = torch.ones_like(logp)
+    mask[:, :8] = 0  # the prompt
+    policy_loss(logp, old_logp, advantages, mask, model=model).loss.backward()
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad if p.grad is not None else torch.zeros_like(p)
+            for p in model.parameters() if p.requires_grad]
+
+
+def _rel_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(got, ref))
+    den = sum(float(b.double().pow(2).sum()) for b in ref)
+    return math.sqrt(num / den)
+
+
+def _step(runtime, model, ref, step: int, *, meter: bool = False, **kwargs):
+    """One optimizer step of one microbatch on both models: (peak bytes or None, grads, ref grads)."""
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    peak = None
+    if meter:
+        with PeakMeter("cpu") as m:
+            _grpo_microbatch(model, step, **kwargs)
+        peak = m.peak_bytes
+    else:
+        _grpo_microbatch(model, step, **kwargs)
+    runtime.end_step()
+    _grpo_microbatch(ref, step, **kwargs)
+    return peak, _grads(model), _grads(ref)
+
+
+def _unit_utility(cost: UnitCost, action: str) -> float:
+    if action == "H":
+        return cost.utility_h
+    if action == "L":
+        return cost.utility_l
+    assert action == "S", action
+    packed = (cost.rows // 2) / cost.rows
+    return cost.recompute_s - cost.capture_s - packed * (cost.pack_s + cost.unpack_s)
+
+
+# What a planned unit may report after its microbatch: packed units only go down to R (the risk
+# fitted once ω is known), E when every sequence it kept had zero coefficients.
+RUNS_AS = {"R": {"R"}, "H": {"H", "E"}, "L": {"L", "R", "E"}, "S": {"H", "L", "R", "E"}}
+
+
+def _kept(actions: dict[str, str]) -> dict[str, str]:
+    return {name: a for name, a in actions.items() if a != "R"}
+
+
+# ---------------------------------------------------------------------------- budget 1.6
+
+@pytest.fixture(scope="module")
+def run_16():
+    """2 profiled + 20 planned microbatches at memory_budget 1.6, everything recorded."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6))
+    record = {"profiling_actions": [], "plans": [], "executed": [], "stats_actions": [],
+              "peaks": [], "budgets": [], "errors": [], "estimates": []}
+    ran_with = {}
+
+    def plan_of_this_forward(module, args):  # runs after the scheduler's own pre-hook
+        bucket = runtime.policy.buckets.get(BUCKET)
+        if not runtime.policy.passes.running and bucket is not None:
+            ran_with["plan"] = dict(bucket.plan.actions) if bucket.plan is not None else None
+
+    hook = model.register_forward_pre_hook(plan_of_this_forward)
+    try:
+        for step in range(PROFILED + PLANNED):
+            planned = step >= PROFILED
+            peak, got, expected = _step(runtime, model, ref, step, meter=planned)
+            stats = runtime.stats
+            if not planned:
+                record["profiling_actions"].append(stats["actions"])
+                continue
+            record["plans"].append(ran_with["plan"])  # end_step may have replanned since
+            record["executed"].append({u.name: u.action for u in runtime.units})
+            record["stats_actions"].append(stats["actions"])
+            record["peaks"].append(peak)
+            record["budgets"].append(stats["budget_bytes"])
+            record["errors"].append(_rel_error(got, expected))
+            record["estimates"].append(stats["grad_error_est"])
+        yield model, ref, runtime, record
+    finally:
+        hook.remove()
+        runtime.detach()
+
+
+def test_budget_16_profiles_as_gc_then_keeps_only_units_that_pay(run_16):
+    _, _, runtime, record = run_16
+    units = [u.name for u in runtime.units]
+    for actions in record["profiling_actions"]:  # NOTE [ Profiling ]: measured all-R, as GC
+        assert actions == {"H": 0, "L": 0, "R": len(units), "E": 0}
+    bucket = runtime.policy.buckets[BUCKET]
+    profile, plan = bucket.profile, bucket.plan
+    assert profile is not None and profile.repeats >= 1 and plan is not None
+    assert sorted(plan.actions) == sorted(units)
+    costs = {c.name: c for c in profile.units}
+    assert _kept(plan.actions), f"headroom {plan.headroom_bytes} B and nothing kept: {costs}"
+    for name, action in _kept(plan.actions).items():
+        assert _unit_utility(costs[name], action) > 0, (name, action, costs[name])
+    assert plan.memory_bytes <= plan.headroom_bytes
+    assert plan.headroom_bytes == bucket.budget_bytes - profile.gc_peak_bytes
+    assert bucket.budget_bytes == int(1.6 * profile.gc_peak_bytes)
+    assert runtime.stats["profiles"][BUCKET_NAME]["gc_peak_bytes"] == profile.gc_peak_bytes
+
+
+def test_budget_16_every_microbatch_runs_its_plan(run_16):
+    _, _, runtime, record = run_16
+    costs = {c.name: c for c in runtime.policy.buckets[BUCKET].profile.units}
+    for k, (plan, executed, mix) in enumerate(zip(record["plans"], record["executed"],
+                                                   record["stats_actions"])):
+        assert sum(mix.values()) == len(executed), k
+        assert mix["H"] + mix["L"] + mix["E"] >= 1, (k, mix)  # something is kept
+        assert plan is not None, k
+        for name, action in executed.items():
+            assert action in RUNS_AS[plan[name]], (k, name, plan[name], action)
+            if action in ("H", "L"):
+                assert _unit_utility(costs[name], action) > 0, (k, name, action)
+
+
+def test_budget_16_peak_stays_within_the_budget(run_16):
+    _, _, _, record = run_16
+    assert len(record["peaks"]) == PLANNED
+    for k, (peak, budget) in enumerate(zip(record["peaks"], record["budgets"])):
+        assert budget is not None and peak <= budget, (k, peak / 2**20, budget / 2**20)
+
+
+def test_budget_16_gradient_error_within_tolerance(run_16):
+    _, _, runtime, record = run_16
+    tolerance = runtime.config.grad_error_tolerance
+    mean = sum(record["errors"]) / len(record["errors"])
+    assert mean <= tolerance, record["errors"]
+    for estimate in record["estimates"]:  # the risk fitted after ω stays in the risk budget
+        assert estimate is None or estimate <= runtime.stats["risk_budget"] + 1e-12
+    calibration = runtime.stats["calibration"]
+    assert calibration["microbatches"] == BASE["calibration_microbatches"]
+    assert calibration["susceptibility"], calibration  # matched passes measured something
+
+
+# ---------------------------------------------------------------------------- budget 1.0
+
+def test_budget_10_is_gradient_checkpointing_bitwise(caplog):
+    model = _model()
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.0, profile_microbatches=1,
+                                           calibration_microbatches=0))
+    caplog.set_level(logging.WARNING, logger="ds_hilore")
+    n = len(runtime.units)
+    try:
+        for step in range(4):
+            _, got, expected = _step(runtime, model, ref, step)
+            stats = runtime.stats
+            assert stats["actions"] == {"H": 0, "L": 0, "R": n, "E": 0}, step
+            assert [u.action for u in runtime.units] == ["R"] * n, step
+            bad = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
+            assert bad == [], (step, bad)
+        bucket = runtime.policy.buckets[BUCKET]
+        assert set(bucket.plan.actions.values()) == {"R"}
+        assert bucket.budget_bytes == bucket.profile.gc_peak_bytes
+        assert bucket.plan.headroom_bytes == 0
+        assert runtime.stats["plans"][BUCKET_NAME]["actions"] == bucket.plan.actions
+    finally:
+        runtime.detach()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# ---------------------------------------------------------------------------- too small
+
+@pytest.mark.parametrize("key,value", [("memory_budget_bytes", 1 << 20), ("memory_fraction", 1e-6)])
+def test_budget_below_gc_falls_back_to_all_r_with_a_warning(caplog, key, value):
+    model = _model()
+    ref = copy.deepcopy(model)
+    config = dict(BASE, profile_microbatches=1, calibration_microbatches=0)
+    config[key] = value
+    runtime = ds_hilore.attach(model, config)
+    caplog.set_level(logging.WARNING, logger="ds_hilore")
+    n = len(runtime.units)
+    try:
+        for step in range(2):
+            _, got, expected = _step(runtime, model, ref, step)
+            assert runtime.stats["actions"] == {"H": 0, "L": 0, "R": n, "E": 0}, step
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), step
+        bucket = runtime.policy.buckets[BUCKET]
+        assert set(bucket.plan.actions.values()) == {"R"}
+        assert bucket.budget_bytes < bucket.profile.gc_peak_bytes
+    finally:
+        runtime.detach()
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "ds_hilore" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    message = warnings[0]
+    assert f"hilore.{key} = {value}" in message
+    assert f"{bucket.budget_bytes / 2**20:.1f} MiB" in message
+    assert f"{bucket.profile.gc_peak_bytes / 2**20:.1f} MiB" in message
+    assert "4x64" in message and "all R" in message
+
+
+# ---------------------------------------------------------------------------- codec doubles
+
+class SlowCodec:
+    """The runtime's codec, but every pack sleeps first: slower than any recompute here."""
+
+    def __init__(self, inner, delay: float = 0.02):
+        self.inner, self.delay = inner, delay
+
+    def pack_async(self, x):
+        time.sleep(self.delay)
+        return self.inner.pack_async(x)
+
+    def unpack(self, packed, out=None):
+        return self.inner.unpack(packed, out=out)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class LossyCodec:
+    """The runtime's codec, but unpack adds noise of ``rel`` times the tensor's norm, and the
+    stats report it: ||x - x'||^2 = rel^2 ||x||^2 (NaN/inf in x still show in stats[1])."""
+
+    def __init__(self, inner, rel: float = 0.5):
+        self.inner, self.rel = inner, rel
+        self.generator = torch.Generator().manual_seed(0)  # training's RNG stays untouched
+
+    def pack_async(self, x):
+        packed = self.inner.pack_async(x)
+        norm2 = packed.stats[1]
+        return dataclasses.replace(packed, stats=torch.stack([norm2 * self.rel ** 2, norm2]))
+
+    def unpack(self, packed, out=None):
+        out = self.inner.unpack(packed, out=out)
+        noise = torch.randn(out.shape, generator=self.generator).to(out.device, out.dtype)
+        out.add_(noise * (self.rel * out.float().norm() / noise.float().norm().clamp_min(1e-30)))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("double", ["slow", "lossy"])
+def test_codec_that_does_not_pay_is_never_chosen(double):
+    """Memory is tight (keeping every unit whole does not fit, packing every unit would): a slow
+    or lossy codec is still never used, and a codec as cheap and as exact as the real one would
+    have been, on the very bytes and recompute times measured."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    tolerance = 0.05  # the real codec's error (~0.007 per unit) is no obstacle here
+    runtime = ds_hilore.attach(model, dict(BASE, calibration_microbatches=0,
+                                           grad_error_tolerance=tolerance))
+    runtime._codec = (SlowCodec if double == "slow" else LossyCodec)(runtime._codec)
+    try:
+        for step in range(PROFILED):
+            _step(runtime, model, ref, step)
+        bucket = runtime.policy.buckets[BUCKET]
+        assert bucket.profiler.done and bucket.plan is None
+        measured = bucket.profiler.result()
+        h_total = sum(c.h_bytes for c in measured.units)
+        l_total = sum(c.l_bytes for c in measured.units)
+        assert l_total < h_total, measured
+        runtime.config.memory_budget_bytes = measured.gc_peak_bytes + (h_total + l_total) // 2
+        plans = []
+        for step in range(PROFILED, PROFILED + 2):
+            _, got, expected = _step(runtime, model, ref, step)
+            plans.append(dict(bucket.plan.actions))
+            assert runtime.stats["actions"]["L"] == 0, (step, runtime.stats["actions"])
+            assert all(u.action != "L" for u in runtime.units), step
+            # nothing packed: H, R and E are exact
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), step
+        profile, plan = bucket.profile, bucket.plan
+    finally:
+        runtime.detach()
+    for actions in plans:
+        assert set(actions.values()) <= {"H", "R"}, actions
+    assert plan.headroom_bytes == (h_total + l_total) // 2
+    packable = [c for c in profile.units if c.l_bytes < c.h_bytes]
+    assert packable
+    if double == "slow":
+        for c in packable:  # the sleeps were measured
+            assert c.pack_s >= runtime._codec.delay and c.utility_l < 0, c
+    else:
+        for c in packable:  # the reported error was measured
+            assert c.rel_error == pytest.approx(0.5, rel=0.05), c
+
+    def plan_for(**changes) -> dict[str, str]:
+        units = [dataclasses.replace(c, **changes) if c in packable else c for c in profile.units]
+        return allocate(dataclasses.replace(profile, units=units), runtime.policy.risk,
+                        plan.headroom_bytes, tolerance, True).actions
+
+    cheap = plan_for(pack_s=0.0, unpack_s=0.0)
+    honest = plan_for(pack_s=0.0, unpack_s=0.0, rel_error=0.007)
+    assert {"L", "S"} & set(honest.values()), honest  # L/S would have been chosen...
+    if double == "slow":
+        assert cheap == honest  # ...had the codec not been slow
+    else:
+        assert set(cheap.values()) <= {"H", "R"}, cheap  # ...had it not been lossy
+
+
+# ---------------------------------------------------------------------------- exposure
+
+def _synthetic_profile(units, key=BUCKET, h_bytes=1_000_000, rel_error=0.02,
+                       gc_peak=1 << 30) -> BucketProfile:
+    """Every unit: 1 s of recompute, nearly free to pack, L keeps a quarter of H."""
+    n_layers = len({u.layer_index for u in units})
+    layers = sorted({u.layer_index for u in units})
+    costs = [UnitCost(u.name, u.kind, layers.index(u.layer_index), u.pos, recompute_s=1.0,
+                      capture_s=0.0, pack_s=0.01, unpack_s=0.01, h_bytes=h_bytes,
+                      l_bytes=h_bytes // 4, ff_bytes=0, rel_error=rel_error, rows=key[0],
+                      sliceable=True) for u in units]
+    assert n_layers == 2
+    return BucketProfile(key, costs, gc_peak_bytes=gc_peak, baseline_bytes=gc_peak // 2,
+                         repeats=1, seconds=0.0)
+
+
+def test_exposure_splits_sequences_and_never_stores_a_zero_advantage():
+    """A resumed run (profile loaded, no profiling): memory fits two units whole and one split,
+    the risk budget one split only. ``expect`` predicts |A_i| * tokens_i: the split unit packs
+    the less exposed half, the A = 0 sequence is elided (E) from every kept unit."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    h = 1_000_000
+    gc = 1 << 30
+    headroom = int(2.7 * h)  # 2 H (2 * h) + 1 S (h - (h - h/4) / 2 = 0.625 h) fit; 3 H do not
+    runtime = ds_hilore.attach(model, dict(BASE, calibration_microbatches=0,
+                                           memory_budget_bytes=gc + headroom))
+    profile = _synthetic_profile(runtime.units, h_bytes=h, rel_error=0.02, gc_peak=gc)
+    calls = []
+    set_plan = runtime.set_plan
+
+    def recording_set_plan(plan, rows=None):
+        calls.append((plan, rows))
+        return set_plan(plan, rows)
+
+    runtime.set_plan = recording_set_plan
+    rewards = torch.tensor([5.0, 0.0, 1.0, 2.0])  # one group: A = (3, -2, -1, 0) / std
+    advantages = group_advantages(rewards, group_size=4)
+    assert advantages[3] == 0 and (advantages[:3] != 0).all()
+    tokens = T - 1 - 8
+    try:
+        runtime.load_state_dict({"version": 1, "policy": {
+            "risk": RiskModel().to_dict(), "tighten": 1.0, "calibrated": 0,
+            "profiles": [profile.to_dict()]}})
+        plan = runtime.policy.buckets[BUCKET].plan.actions
+        mix = sorted(plan.values())
+        assert mix == ["H", "H", "R", "S"], plan  # risk: one split (0.01), never two or an L
+        split = next(n for n, a in plan.items() if a == "S")
+        runtime.policy.expect([abs(float(a)) * tokens for a in advantages])
+        _, got, expected = _step(runtime, model, ref, 0, rewards=rewards, group_size=4)
+        actions, rows = calls[-1]
+        assert runtime.policy.buckets[BUCKET].profiler.samples == []  # planned at once
+        executed = {u.name: u.action for u in runtime.units}
+        stats = runtime.stats
+    finally:
+        runtime.detach()
+    # exposure order (ascending): 3 (0), 2 (1), 1 (2), 0 (3): rows 2, 3 are the packed half
+    assert rows[split] == ("H", "H", "L", "E"), rows
+    for name, action in plan.items():
+        if action == "H":
+            assert actions[name] == "H" and rows[name] == ("H", "H", "H", "E"), (name, rows)
+        elif action == "R":
+            assert actions[name] == "R" and name not in rows, (name, rows)
+    assert actions[split] == "H"  # a split unit is captured H, then its rows packed
+    assert executed[split] in ("L", "R"), executed  # R: the risk fitted after ω said so
+    assert stats["microbatches"][-1]["exact_zero_sequences"] == 1
+    assert stats["grad_error_est"] <= stats["risk_budget"] + 1e-12
+    error = _rel_error(got, expected)
+    assert error <= runtime.config.grad_error_tolerance, error
+    if executed[split] == "L":
+        assert error > 0  # the packed rows carried gradient (A != 0)
+
+
+def _costs(specs) -> BucketProfile:
+    """Hand-made profile: specs = [(kind, layer, pos, dict of UnitCost fields)]."""
+    units = [UnitCost(f"model.layers.{layer}.{kind}", kind, layer, pos, **fields)
+             for kind, layer, pos, fields in specs]
+    return BucketProfile(BUCKET, units, gc_peak_bytes=1 << 30, baseline_bytes=0, repeats=2,
+                         seconds=0.0)
+
+
+ONE = dict(recompute_s=1.0, capture_s=0.0, pack_s=0.1, unpack_s=0.1, h_bytes=1000,
+           l_bytes=250, rel_error=0.005, rows=4, sliceable=False)
+
+
+def _one_unit(**changes) -> BucketProfile:
+    return _costs([("mlp", 0, 0, dict(ONE, **changes))])
+
+
+def test_allocate_without_headroom_is_all_r():
+    profile = _costs([("attn", 0, 0, ONE), ("mlp", 0, 1, ONE), ("attn", 1, 0, ONE),
+                      ("mlp", 1, 1, ONE)])
+    for headroom in (0, -1, -(1 << 20)):
+        plan = allocate(profile, RiskModel(), headroom, 0.015, True)
+        assert set(plan.actions.values()) == {"R"} and len(plan.actions) == 4
+        assert plan.memory_bytes == 0 and plan.utility_s == 0.0 and plan.risk == 0.0
+    assert set(allocate(profile, RiskModel(), 10_000, 0.015, True).actions.values()) == {"H"}
+
+
+@pytest.mark.parametrize("case,changes,expected", [
+    ("fits only packed", {}, "L"),
+    ("packing costs more than the recompute", {"pack_s": 0.8, "unpack_s": 0.3}, "R"),
+    ("codec too lossy for the risk budget", {"rel_error": 0.5}, "R"),
+    ("codec just within the risk budget", {"rel_error": 0.014}, "L"),
+    ("no codec", None, "R"),
+])
+def test_allocate_packs_only_what_pays_within_the_risk_budget(case, changes, expected):
+    profile = _one_unit(**(changes or {}))
+    plan = allocate(profile, RiskModel(), 500, 0.015, codec=changes is not None)  # H does not fit
+    assert plan.actions == {"model.layers.0.mlp": expected}, case
+    assert plan.risk <= 0.015 and plan.memory_bytes <= 500
+
+
+def test_allocate_prefers_h_when_it_fits_and_h_or_l_never_at_a_loss():
+    assert allocate(_one_unit(), RiskModel(), 1000, 0.015, True).actions == {"model.layers.0.mlp": "H"}
+    losing = _one_unit(recompute_s=0.01, capture_s=0.02, pack_s=0.01, unpack_s=0.01)
+    assert allocate(losing, RiskModel(), 10_000, 0.015, True).actions == {"model.layers.0.mlp": "R"}
+
+
+@pytest.mark.parametrize("split_share,expected", [(0.5, "S"), (0.2, "S"), (0.9, "R")])
+def test_allocate_splits_when_the_less_exposed_half_fits_the_risk_budget(split_share, expected):
+    """eps = 0.02 > 0.015: packing every sequence is out; packing the half that carries
+    ``split_share`` of the exposure is in when 0.02 * split_share <= 0.015."""
+    profile = _one_unit(rel_error=0.02, sliceable=True)
+    s_bytes = 1000 - (1000 - 250) // 2  # 625: half the rows packed
+    plan = allocate(profile, RiskModel(), s_bytes, 0.015, True, split_share=split_share)
+    assert plan.actions == {"model.layers.0.mlp": expected}
+    if expected == "S":
+        assert plan.risk == pytest.approx(0.02 * split_share) and plan.memory_bytes == s_bytes
+
+
+def test_allocate_risk_uses_calibrated_susceptibility():
+    """A group measured 10x less susceptible than the prior may pack a 10x lossier codec."""
+    profile = _one_unit(rel_error=0.1)
+    assert allocate(profile, RiskModel(), 500, 0.015, True).actions["model.layers.0.mlp"] == "R"
+    calm = RiskModel(samples={"mlp:low": [0.1, 0.1, 0.1]})
+    plan = allocate(profile, calm, 500, 0.015, True)
+    assert plan.actions["model.layers.0.mlp"] == "L" and plan.risk == pytest.approx(0.01)
+
+
+def test_layer_groups_price_the_fast_forward_of_a_kept_unit_before_a_recomputed_one():
+    profile = _costs([("attn", 0, 0, dict(ONE, ff_bytes=64)), ("mlp", 0, 1, ONE)])
+    (group,) = layer_groups(profile, RiskModel(), True, 0.5)
+    options = {tuple(o.label[n] for n in ("model.layers.0.attn", "model.layers.0.mlp")): o
+               for o in group}
+    assert options[("R", "R")].memory == 0 and options[("R", "R")].utility == 0.0
+    assert options[("H", "R")].memory == 1000 + 64  # attn kept, mlp re-run from its input
+    assert options[("H", "H")].memory == 2000
+    assert options[("R", "H")].memory == 1000
+    assert options[("L", "R")].memory == 250 + 64
+    assert options[("L", "L")].risk == pytest.approx(2 * 0.005)
+    assert ("S", "R") not in options  # not sliceable: no split
+
+
+# ---------------------------------------------------------------------------- resume
+
+def test_state_dict_resumes_without_profiling(run_16):
+    _, _, runtime, _ = run_16
+    state = runtime.state_dict()
+    policy = state["policy"]
+    assert [p["key"] for p in policy["profiles"]] == [list(BUCKET)]
+    assert policy["calibrated"] == BASE["calibration_microbatches"]
+    assert any(policy["risk"]["samples"].values()), policy["risk"]
+    plan = dict(runtime.policy.buckets[BUCKET].plan.actions)
+    state = json.loads(json.dumps(state))  # a checkpoint's round trip
+
+    model = _model()
+    ref = copy.deepcopy(model)
+    fresh = ds_hilore.attach(model, dict(BASE, memory_budget=1.6))
+    try:
+        fresh.load_state_dict(state)
+        bucket = fresh.policy.buckets[BUCKET]
+        assert bucket.plan is not None and bucket.plan.actions == plan  # before any forward
+        assert fresh.policy.risk.samples == runtime.policy.risk.samples
+        _, got, expected = _step(fresh, model, ref, 0)
+        assert bucket.profiler.samples == []  # nothing profiled
+        executed = {u.name: u.action for u in fresh.units}
+        stats = fresh.stats
+        assert fresh.policy.passes.seconds == 0.0  # calibration was done before the resume
+    finally:
+        fresh.detach()
+    for name, action in plan.items():
+        assert executed[name] in RUNS_AS[action], (name, action, executed[name])
+    assert stats["calibration"]["microbatches"] == BASE["calibration_microbatches"]
+    assert _rel_error(got, expected) <= fresh.config.grad_error_tolerance
