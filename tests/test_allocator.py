@@ -454,14 +454,6 @@ def test_exposure_splits_sequences_and_never_stores_a_zero_advantage(prediction)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))  # H, R and E are exact
 
 
-_BUG_PREDICTED_E = (
-    "library bug: Scheduler._apply (plan/scheduler.py) stores a sequence predicted 0 by expect() "
-    "as E, but Elision.apply (runtime/elision.py) sets frame.elided_rows from the rows whose ω "
-    "is zero only: a predicted-E row whose ω is not zero is neither checked in the backward nor "
-    "sent to R, so its stand-in values (1) enter the gradient silently")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_BUG_PREDICTED_E)
 def test_a_sequence_wrongly_predicted_unexposed_never_corrupts_the_gradient():
     """``expect`` says sequence 0 carries no exposure, but its advantage is the largest (a KL
     term, a stale prediction): NOTE [ Checked elision ] promises an exact fallback (R), never a
@@ -485,14 +477,6 @@ def test_a_sequence_wrongly_predicted_unexposed_never_corrupts_the_gradient():
     assert error <= runtime.config.grad_error_tolerance, error
 
 
-_BUG_STALE_PREDICTION = (
-    "library bug: Scheduler.begin_forward (plan/scheduler.py) clears self.expected only in "
-    "_apply, i.e. on planned microbatches; a prediction made for a profiled (all-R) microbatch "
-    "stays pending and is applied to a later microbatch, whose sequences it elides (E) "
-    "(see also the unchecked predicted-E bug)")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_BUG_STALE_PREDICTION)
 def test_a_prediction_is_for_the_next_microbatch_only():
     model = _model()
     ref = copy.deepcopy(model)

@@ -32,6 +32,7 @@ from ds_hilore.plan.allocate import Plan, allocate
 from ds_hilore.plan.calibrate import MatchedPasses
 from ds_hilore.plan.profile import BucketProfile, Profiler
 from ds_hilore.plan.risk import RiskModel, group_of, share
+from ds_hilore.runtime.elision import unverified_rows_to_r
 from ds_hilore.runtime.memory import PeakMeter, in_use_bytes
 
 logger = logging.getLogger("ds_hilore")
@@ -86,6 +87,7 @@ class Scheduler:
         else:
             self._apply(bucket)
         self.passes.begin_forward(args, kwargs, bucket)
+        self.expected = None  # a prediction is for this microbatch only
         self.alloc_s += time.perf_counter() - begin
 
     def begin_microbatch(self, mb) -> None:
@@ -111,6 +113,9 @@ class Scheduler:
     def top_grad(self, mb, grad: torch.Tensor) -> None:
         if self.passes.running:
             return
+        if mb.source is None:  # no coefficients came: nothing proves the planned elisions
+            for frame in mb.live_frames():
+                unverified_rows_to_r(frame, set())
         self.passes.top_grad(mb, grad)
         if mb.profile is not None:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_profile(mb))
@@ -208,7 +213,6 @@ class Scheduler:
                     per_row = ["E" if expected[i] == 0 else a for i, a in enumerate(per_row)]
                 rows[name] = tuple(per_row)
         self.runtime.apply_plan(actions, rows)
-        self.expected = None  # one prediction per microbatch
 
     def _fit_risk(self, mb, bucket: Bucket) -> float:
         """Estimated error of this microbatch; packed units go to R, riskiest first, until it

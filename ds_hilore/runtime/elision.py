@@ -60,6 +60,7 @@ class Elision:
             # whether it takes part in the collective decision there
             frame.elision_checked = frame.elision_ok and (
                 frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
+            unverified_rows_to_r(frame, set(zero) if frame.elision_ok else set())
             frame.elided_rows = set(zero) if frame.elision_checked else set()
             for pos, unit in enumerate(frame.layer.units):
                 if frame.plan.actions[pos] == "R":
@@ -143,6 +144,16 @@ class Elision:
                 "record); their activations had been elided, so this backward's gradients are "
                 "wrong and the step must not be taken. Compute that loss from "
                 "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss.")
+
+
+def unverified_rows_to_r(frame, zero: set[int]) -> None:
+    """Sequences a plan elided at capture (predicted to have zero coefficients) that do not:
+    their units are recomputed instead (exact: the layer's inputs are kept)."""
+    for pos, rows in enumerate(frame.plan.rows):
+        if rows is None or frame.plan.actions[pos] == "R":
+            continue
+        if any(a == "E" and i not in zero for i, a in enumerate(rows)):
+            frame.downgrade(pos, "R")
 
 
 def gradient_entry(out) -> tuple[bool, bool]:
