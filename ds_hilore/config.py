@@ -97,7 +97,7 @@ class HiLoReConfig(DeepSpeedConfigModel):
         "Microbatches of matched passes that calibrate susceptibility; 0 skips calibration."))
     profile_microbatches: _Int = Field(3, strict=True, ge=1, description=(
         "Microbatches of a new shape run all-R (as GC) and are measured before HiLoRe plans for "
-        "that shape; the first warms up (and meters the peak on CPU), the rest are timed."))
+        "that shape; the first warms up, the rest are timed; the peak is taken from all of them."))
     refresh_interval: _Int = Field(1, strict=True, ge=1,
                                   description="Re-estimate exposure and risk every N microbatches.")
     validation_interval: _Int = Field(0, strict=True, ge=0, description=(

@@ -13,8 +13,10 @@ needs more memory than GC on a shape it has not measured. While they run:
   (``Stored.set_rows``), so at most one tensor's packed copy is alive beyond GC's own memory;
 * capture time: building the storage records of H (bookkeeping only: H keeps references);
 * fast-forward bytes: what a layer keeps of its first unit when only a later unit is recomputed;
-* GC's peak: the whole process, measured around the microbatch (``PeakMeter`` on CPU,
-  ``torch.cuda.max_memory_allocated`` on CUDA).
+* GC's peak: the whole process, measured around the microbatch (
+  ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's in-use bytes sampled at every
+  unit boundary of the forward, every re-created tensor of the backward and the start and end of
+  the backward -- no dispatch mode stays installed across the user's code).
 
 The first profiled microbatch of a bucket warms up (codec compilation, allocator); the plan uses
 the median over the rest. Nothing is derived from FLOPs: on a CPU a codec can cost more than the
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ds_hilore.runtime.memory import in_use_bytes
 from ds_hilore.runtime.storage import Counters
 
 
@@ -98,6 +101,10 @@ class _Sample:
         self._errors: dict[str, list[float]] = {}  # unit -> [sum err^2, sum norm^2]
         self._warm: set[tuple] = set()  # (shape, dtype) the codec has run on
         self.overhead_s = 0.0  # seconds spent measuring (not part of any unit's cost)
+        self.peak_bytes = 0  # CPU: in-use bytes sampled at every layer boundary, both ways
+
+    def sample_memory(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, in_use_bytes(self.device))
 
     def now(self, device: torch.device) -> float:
         if device.type == "cuda":
@@ -106,6 +113,7 @@ class _Sample:
 
     def unit_time(self, unit, seconds: float) -> None:
         self.costs[unit.name].recompute_s += seconds
+        self.sample_memory()
 
     def fast_forward(self, unit, nbytes: int) -> None:
         self.costs[unit.name].ff_bytes += nbytes
@@ -117,6 +125,7 @@ class _Sample:
         if key in self._seen:
             return
         self._seen.add(key)
+        self.sample_memory()
         unit = frame.layer.units[pos]
         cost = self.costs[unit.name]
         cost.rows, cost.sliceable = frame.batch, frame.sliceable

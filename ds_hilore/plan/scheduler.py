@@ -33,7 +33,7 @@ from ds_hilore.plan.calibrate import MatchedPasses
 from ds_hilore.plan.profile import BucketProfile, Profiler
 from ds_hilore.plan.risk import RiskModel, group_of, share
 from ds_hilore.runtime.elision import unverified_rows_to_r
-from ds_hilore.runtime.memory import PeakMeter, in_use_bytes
+from ds_hilore.runtime.memory import in_use_bytes
 
 logger = logging.getLogger("ds_hilore")
 
@@ -58,7 +58,7 @@ class Scheduler:
         self.expected: list[float] | None = None  # predicted exposure per sequence (expect)
         self.bucket: Bucket | None = None  # of the forward in progress
         self.sample = None  # profiler sample of the forward in progress
-        self.meter: PeakMeter | None = None
+        self.meter: bool | None = None  # CUDA's peak counter was reset for a profiled microbatch
         self.baseline = 0
         self.passes = MatchedPasses(self)
         self.calibrated = 0  # microbatches calibrated so far
@@ -83,7 +83,7 @@ class Scheduler:
             self._plan_bucket(bucket)
         if bucket.plan is None:  # NOTE [ Profiling ]: measured all-R, as GC
             self.runtime.apply_plan("R")
-            self._open_meter(len(bucket.profiler.samples) == 0)
+            self._open_meter()
         else:
             self._apply(bucket)
         self.passes.begin_forward(args, kwargs, bucket)
@@ -118,6 +118,7 @@ class Scheduler:
                 unverified_rows_to_r(frame, set())
         self.passes.top_grad(mb, grad)
         if mb.profile is not None:
+            mb.profile.sample_memory()  # the start of the backward: logits and their gradient
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_profile(mb))
         else:
             peak = self._peak_now()
@@ -250,25 +251,23 @@ class Scheduler:
     # ------------------------------------------------------------------ measuring
     def _end_profile(self, mb) -> None:
         sample, mb.profile = mb.profile, None
-        peak = self._close_meter()
+        sample.sample_memory()
+        peak = self._close_meter() or sample.peak_bytes
         positions = {layer.index: k for k, layer in enumerate(self.runtime._layers)}
         bucket = self.buckets[mb.plan_key]
         bucket.profiler.add(sample, positions, peak, self.baseline)
         self.step_stats["peak_bytes"] = max(self.step_stats["peak_bytes"] or 0, peak or 0) or None
 
-    def _open_meter(self, meter_cpu: bool) -> None:
+    def _open_meter(self) -> None:
         device = self._device()
         self.baseline = in_use_bytes(device)
-        if device.type == "cuda" or meter_cpu:  # CPU: the meter slows ops, timed samples go without
-            self.meter = PeakMeter(device)
-            self.meter.__enter__()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.meter = True
 
     def _close_meter(self) -> int | None:
-        meter, self.meter = self.meter, None
-        if meter is None:
-            return None
-        meter.__exit__(None, None, None)
-        return meter.peak_bytes
+        metering, self.meter = self.meter, None
+        return torch.cuda.max_memory_allocated(self._device()) if metering else None
 
     def _peak_now(self) -> int:
         device = self._device()
