@@ -98,6 +98,10 @@ class HiLoReConfig(DeepSpeedConfigModel):
     profile_microbatches: _Int = Field(3, strict=True, ge=1, description=(
         "Microbatches of a new shape run all-R (as GC) and are measured before HiLoRe plans for "
         "that shape; the first warms up, the rest are timed; the peak is taken from all of them."))
+    plan_validation_microbatches: _Int = Field(2, strict=True, ge=0, description=(
+        "When a shape's plan is first built: microbatches per variant of the leave-one-out "
+        "timing (the plan, and the plan with each kept layer recomputed); layers that save "
+        "nothing under joint execution are recomputed from then on. 0 = off."))
     refresh_interval: _Int = Field(1, strict=True, ge=1,
                                   description="Re-estimate exposure and risk every N microbatches.")
     validation_interval: _Int = Field(0, strict=True, ge=0, description=(

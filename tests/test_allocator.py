@@ -32,6 +32,7 @@ from ds_hilore.grpo import group_advantages, policy_loss
 from ds_hilore.plan.allocate import allocate, layer_groups
 from ds_hilore.plan.profile import BucketProfile, UnitCost
 from ds_hilore.plan.risk import RiskModel
+from ds_hilore.plan.validate import LeaveOneOut
 from ds_hilore.runtime.memory import PeakMeter
 
 B, T = 4, 64  # sequences, positions: the shape bucket (4, 64)
@@ -41,7 +42,8 @@ PLANNED = 20  # planned microbatches of the 1.6 budget run
 BASE = {"codec_backend": "eager",  # no torch.compile on a 2-core CPU
         "min_pack_numel": 1024,  # hidden 64: (B, T, 64) slices are 4096 elements
         "profile_microbatches": PROFILED,
-        "calibration_microbatches": 2}
+        "calibration_microbatches": 2,
+        "plan_validation_microbatches": 0}  # leave-one-out has tests of its own (timing-driven)
 REWARDS = (torch.tensor([1.0, 0.0, 1.0, 1.0]),  # second group without spread: A = 0
            torch.tensor([0.0, 1.0, 0.5, 0.25]))
 
@@ -614,3 +616,58 @@ def test_state_dict_resumes_without_profiling(run_16):
         assert executed[name] in RUNS_AS[action], (name, action, executed[name])
     assert stats["calibration"]["microbatches"] == BASE["calibration_microbatches"]
     assert _rel_error(got, expected) <= fresh.config.grad_error_tolerance
+
+
+# ---- leave-one-out (NOTE [ Leave-one-out ]) --------------------------------------------------
+def test_leave_one_out_drops_exactly_the_layers_that_do_not_pay():
+    loo = LeaveOneOut([0, 1, 2], repeats=2)
+    order = [loo.next_variant() for _ in range(8)]
+    assert order == [None, 0, 1, 2, None, 0, 1, 2] and loo.done  # interleaved
+    seconds = {None: 1.0, 0: 1.2, 1: 1.0, 2: 0.9}  # layer 0 saves 0.2 s; 1 nothing; 2 loses
+    for variant in order:
+        loo.record(variant, seconds[variant])
+    assert loo.utilities() == pytest.approx({0: 0.2, 1: 0.0, 2: -0.1})
+    assert loo.dropped() == {1, 2}
+    flat = loo.flat()
+    loo.set_flat([x + 1 for x in flat])  # what an all-reduce hands back keeps the structure
+    assert loo.utilities() == pytest.approx({0: 0.2, 1: 0.0, 2: -0.1})
+
+
+def test_leave_one_out_runs_each_variant_then_recomputes_what_does_not_pay(monkeypatch):
+    model = _model()
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=0,
+                                           plan_validation_microbatches=1))
+    # the measured timings decide; here they are made to say "layer 1 saves nothing"
+    monkeypatch.setattr(LeaveOneOut, "utilities", lambda self: {0: 0.01, 1: -0.01})
+    actions = []
+    for step in range(PROFILED + 3 + 1):
+        _, got, want = _step(runtime, model, ref, step)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))  # H and R only: exact
+        actions.append([u.action for u in runtime.units])
+    layer = {u.name: int(u.name.split(".")[2]) for u in runtime.units}
+    planned = actions[PROFILED]
+    assert "R" not in planned  # the plan: every unit pays (H)
+    assert actions[PROFILED + 1] == ["R" if layer[u.name] == 0 else a
+                                     for u, a in zip(runtime.units, planned)]  # without layer 0
+    assert actions[PROFILED + 2] == ["R" if layer[u.name] == 1 else a
+                                     for u, a in zip(runtime.units, planned)]  # without layer 1
+    assert actions[-1] == ["R" if layer[u.name] == 1 else a for u, a in zip(runtime.units, planned)]
+    report = runtime.stats["leave_one_out"][BUCKET_NAME]
+    assert report["recomputed_layers"] == [1]
+    plan = runtime.stats["plans"][BUCKET_NAME]["actions"]
+    assert {n for n, a in plan.items() if a == "R"} == {n for n in plan if layer[n] == 1}
+
+
+def test_refresh_interval_reuses_the_last_risk_decision(monkeypatch):
+    model = _model()
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=0,
+                                           refresh_interval=3))
+    fits = []
+    original = runtime.policy._fit_risk
+    monkeypatch.setattr(runtime.policy, "_fit_risk",
+                        lambda mb, bucket: fits.append(mb.index) or original(mb, bucket))
+    for step in range(PROFILED + 6):
+        _grpo_microbatch(model, step)
+        runtime.end_step()
+    assert fits == [PROFILED, PROFILED + 3]  # planned microbatches 0 and 3 of 6 re-read exposure

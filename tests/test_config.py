@@ -29,6 +29,7 @@ CONTRACT_DEFAULTS = {
     "mlp_children": None,
     "calibration_microbatches": 4,
     "profile_microbatches": 3,
+    "plan_validation_microbatches": 2,
     "refresh_interval": 1,
     "validation_interval": 0,
     "exposure_source": "auto",

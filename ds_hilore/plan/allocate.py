@@ -53,9 +53,10 @@ def unit_options(cost: UnitCost, codec: bool, split_share: float) -> dict[str, t
 
 
 def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_share: float,
-                 scale: float = 1.0) -> list[list[knapsack.Option]]:
+                 scale: float = 1.0, excluded: frozenset[int] = frozenset()) -> list[list[knapsack.Option]]:
     """The knapsack groups of a profile: one per layer, every joint action an option.
-    ``scale`` (>= 1) stretches bytes and times to a bucket longer than the profiled shape."""
+    ``scale`` (>= 1) stretches bytes and times to a bucket longer than the profiled shape;
+    ``excluded`` layers (leave-one-out found their options do not pay) get R only."""
     layers: dict[int, list[UnitCost]] = {}
     for cost in profile.units:
         layers.setdefault(cost.layer, []).append(cost)
@@ -63,7 +64,8 @@ def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_sha
     groups = []
     for layer in sorted(layers):
         units = sorted(layers[layer], key=lambda c: c.pos)
-        per_unit = [unit_options(c, codec, split_share) for c in units]
+        per_unit = [unit_options(c, codec, split_share) if layer not in excluded
+                    else {"R": (0.0, 0, 0.0)} for c in units]
         options = []
         for combo in itertools.product(*(sorted(o) for o in per_unit)):
             utility = memory = 0
@@ -82,13 +84,14 @@ def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_sha
 
 
 def allocate(profile: BucketProfile, risk: RiskModel, headroom_bytes: int, risk_budget: float,
-             codec: bool, split_share: float = 0.5, scale: float = 1.0) -> Plan:
+             codec: bool, split_share: float = 0.5, scale: float = 1.0,
+             excluded: frozenset[int] = frozenset()) -> Plan:
     """The capture plan with the most utility whose memory fits ``headroom_bytes`` (the budget
     above GC's peak) and whose risk fits ``risk_budget``."""
     names = [c.name for c in profile.units]
     if headroom_bytes <= 0:
         return Plan.all_r(names, headroom_bytes)
-    groups = layer_groups(profile, risk, codec, split_share, scale)
+    groups = layer_groups(profile, risk, codec, split_share, scale, frozenset(excluded))
     solution = knapsack.solve(groups, headroom_bytes, risk_budget)
     actions = {}
     for group, index in zip(groups, solution.choice):

@@ -32,6 +32,7 @@ from ds_hilore.plan.allocate import Plan, allocate
 from ds_hilore.plan.calibrate import MatchedPasses
 from ds_hilore.plan.profile import BucketProfile, Profiler
 from ds_hilore.plan.risk import RiskModel, group_of, share
+from ds_hilore.plan.validate import LeaveOneOut
 from ds_hilore.runtime.elision import unverified_rows_to_r
 from ds_hilore.runtime.memory import in_use_bytes
 
@@ -45,6 +46,9 @@ class Bucket:
     profile: BucketProfile | None = None
     plan: Plan | None = None
     budget_bytes: int | None = None
+    loo: LeaveOneOut | None = None  # NOTE [ Leave-one-out ], while it runs
+    excluded: set[int] = dataclasses.field(default_factory=set)  # layers leave-one-out sent to R
+    loo_utilities: dict[int, float] | None = None  # seconds per layer, measured jointly
 
 
 class Scheduler:
@@ -61,6 +65,9 @@ class Scheduler:
         self.meter: bool | None = None  # CUDA's peak counter was reset for a profiled microbatch
         self.baseline = 0
         self.passes = MatchedPasses(self)
+        self.timing = None  # (leave-one-out, variant, start) of the forward in progress
+        self.fits = 0  # microbatches whose risk was fitted or reused (refresh_interval)
+        self.last_fit: tuple[float, list[str]] | None = None  # (estimate, units sent to R)
         self.calibrated = 0  # microbatches calibrated so far
         self.steps = 0
         self.alloc_s = 0.0  # this step's allocation time
@@ -81,9 +88,17 @@ class Scheduler:
         self.bucket = bucket
         if bucket.plan is None and bucket.profiler.done:
             self._plan_bucket(bucket)
+            self._start_loo(bucket)
+        if bucket.loo is not None and bucket.loo.done:
+            self._finish_loo(bucket)
+        self.timing = None
         if bucket.plan is None:  # NOTE [ Profiling ]: measured all-R, as GC
             self.runtime.apply_plan("R")
             self._open_meter()
+        elif bucket.loo is not None:  # NOTE [ Leave-one-out ]: the plan, or it minus one layer
+            variant = bucket.loo.next_variant()
+            self._apply(bucket, recompute_layer=variant)
+            self.timing = (bucket.loo, variant, self._now())
         else:
             self._apply(bucket)
         self.passes.begin_forward(args, kwargs, bucket)
@@ -94,6 +109,7 @@ class Scheduler:
         if self.passes.running or self.bucket is None:
             return
         mb.plan_key = self.bucket.key
+        mb.timing, self.timing = self.timing, None
         if self.bucket.plan is None:
             units = self.runtime.units
             self.sample = self.bucket.profiler.sample(units, self.runtime._codec, self._device())
@@ -106,8 +122,16 @@ class Scheduler:
         begin = time.perf_counter()
         bucket = self.buckets[mb.plan_key]
         if bucket.plan is not None:
-            estimate = self._fit_risk(mb, bucket)
-            self.step_stats["grad_error_est"].append(estimate)
+            if self.fits % self.config.refresh_interval == 0 or self.last_fit is None:
+                self.last_fit = self._fit_risk(mb, bucket)
+            else:  # between refreshes: the last decision, without reading exposure
+                for name in self.last_fit[1]:
+                    unit = next((u for u in self.runtime.units if u.name == name), None)
+                    frame = mb.frame(unit.layer_index) if unit is not None else None
+                    if frame is not None and frame.plan.actions[unit.pos] != "R":
+                        self.runtime.downgrade(name, "R")
+            self.fits += 1
+            self.step_stats["grad_error_est"].append(self.last_fit[0])
         self.alloc_s += time.perf_counter() - begin
 
     def top_grad(self, mb, grad: torch.Tensor) -> None:
@@ -117,6 +141,8 @@ class Scheduler:
             for frame in mb.live_frames():
                 unverified_rows_to_r(frame, set())
         self.passes.top_grad(mb, grad)
+        if mb.timing is not None:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_timing(mb))
         if mb.profile is not None:
             mb.profile.sample_memory()  # the start of the backward: logits and their gradient
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_profile(mb))
@@ -153,6 +179,9 @@ class Scheduler:
                 "risk_budget": self.config.grad_error_tolerance * self.tighten,
                 "plans": {f"{k[0]}x{k[1]}": (b.plan.to_dict() if b.plan else None)
                           for k, b in self.buckets.items()},
+                "leave_one_out": {f"{k[0]}x{k[1]}": {"utilities_s": b.loo_utilities,
+                                                     "recomputed_layers": sorted(b.excluded)}
+                                  for k, b in self.buckets.items() if b.loo_utilities is not None},
                 "calibration": {"microbatches": self.calibrated, "seconds": self.passes.seconds,
                                 "susceptibility": dict(self.risk.to_dict()["samples"])},
                 "profiles": {f"{k[0]}x{k[1]}": (b.profile.to_dict() if b.profile else None)
@@ -160,7 +189,8 @@ class Scheduler:
 
     def state_dict(self) -> dict[str, Any]:
         return {"risk": self.risk.to_dict(), "tighten": self.tighten, "calibrated": self.calibrated,
-                "profiles": [b.profile.to_dict() for b in self.buckets.values() if b.profile]}
+                "profiles": [b.profile.to_dict() for b in self.buckets.values() if b.profile],
+                "excluded": {f"{k[0]}x{k[1]}": sorted(b.excluded) for k, b in self.buckets.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.risk = RiskModel.from_dict(state.get("risk", {}))
@@ -169,6 +199,7 @@ class Scheduler:
         for data in state.get("profiles", []):
             profile = BucketProfile.from_dict(data)
             bucket = Bucket(profile.key, Profiler(profile.key, 0), profile)
+            bucket.excluded = set(state.get("excluded", {}).get(f"{profile.key[0]}x{profile.key[1]}", []))
             self.buckets[profile.key] = bucket
             self._plan_bucket(bucket, profiled=False)
 
@@ -186,7 +217,8 @@ class Scheduler:
                            "(all R). Fix: raise the budget.", budgets.describe(self.config),
                            bucket.budget_bytes / 2**20, *bucket.key, profile.gc_peak_bytes / 2**20)
         bucket.plan = self._broadcast(allocate(profile, self.risk, headroom, self._risk_budget(),
-                                               self.runtime._codec is not None))
+                                               self.runtime._codec is not None,
+                                               excluded=frozenset(bucket.excluded)))
         mix = {a: sum(1 for x in bucket.plan.actions.values() if x == a) for a in "HLSR"}
         logger.info("ds_hilore: plan for %dx%d: %s, %.1f MiB kept of %.1f MiB headroom, est. "
                     "error %.4f", *bucket.key, mix, bucket.plan.memory_bytes / 2**20,
@@ -198,9 +230,14 @@ class Scheduler:
             if bucket.profile is not None:
                 self._plan_bucket(bucket, profiled=False)
 
-    def _apply(self, bucket: Bucket) -> None:
-        """The bucket's plan for this microbatch: splits by predicted exposure, A = 0 elided."""
+    def _apply(self, bucket: Bucket, recompute_layer: int | None = None) -> None:
+        """The bucket's plan for this microbatch: splits by predicted exposure, A = 0 elided;
+        ``recompute_layer``: that layer R instead (a leave-one-out variant)."""
         plan, batch = bucket.plan, bucket.key[0]
+        if recompute_layer is not None:
+            layer_of = {c.name: c.layer for c in bucket.profile.units}
+            plan = dataclasses.replace(plan, actions={
+                n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         order = sorted(range(batch), key=lambda i: expected[i]) if expected else list(range(batch))
         packed = set(order[:batch // 2])  # the less exposed half
@@ -215,9 +252,40 @@ class Scheduler:
                 rows[name] = tuple(per_row)
         self.runtime.apply_plan(actions, rows)
 
-    def _fit_risk(self, mb, bucket: Bucket) -> float:
-        """Estimated error of this microbatch; packed units go to R, riskiest first, until it
-        fits the risk budget."""
+    def _start_loo(self, bucket: Bucket) -> None:
+        layers = sorted({c.layer for c in bucket.profile.units if bucket.plan.actions[c.name] != "R"})
+        repeats = self.config.plan_validation_microbatches
+        if layers and repeats:
+            bucket.loo = LeaveOneOut(layers, repeats)
+
+    def _finish_loo(self, bucket: Bucket) -> None:
+        loo, bucket.loo = bucket.loo, None
+        collective = self.runtime.collective
+        if collective is not None:  # every rank decides from the same timings
+            loo.set_flat(collective.all_reduce_max_float(loo.flat()))
+        bucket.loo_utilities = loo.utilities()
+        dropped = loo.dropped()
+        if dropped:
+            logger.info("ds_hilore: leave-one-out on %dx%d: layers %s save nothing under joint "
+                        "execution (%s s); recomputed from now on.", *bucket.key, sorted(dropped),
+                        {k: round(v, 4) for k, v in bucket.loo_utilities.items()})
+            bucket.excluded |= dropped
+            self._plan_bucket(bucket, profiled=False)
+
+    def _end_timing(self, mb) -> None:
+        loo, variant, begin = mb.timing
+        mb.timing = None
+        loo.record(variant, self._now() - begin)
+
+    def _now(self) -> float:
+        device = self._device()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def _fit_risk(self, mb, bucket: Bucket) -> tuple[float, list[str]]:
+        """Estimated error of this microbatch, and the packed units sent to R (riskiest first)
+        until it fits the risk budget."""
         costs = {c.name: c for c in bucket.profile.units}
         n_layers = 1 + max(c.layer for c in costs.values())
         names = list(mb.exposure)
@@ -238,12 +306,14 @@ class Scheduler:
                                                   cost.rel_error, part)
         budget = self._risk_budget()
         total = sum(risks.values())
+        downgraded = []
         for name in sorted(risks, key=risks.get, reverse=True):
             if total <= budget:
                 break
             self.runtime.downgrade(name, "R")
+            downgraded.append(name)
             total -= risks.pop(name)
-        return total
+        return total, downgraded
 
     def _risk_budget(self) -> float:
         return self.config.grad_error_tolerance * self.tighten

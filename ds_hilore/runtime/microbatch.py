@@ -38,6 +38,7 @@ class Microbatch:
         self.packed: bool | None = None  # several sequences per row (NOTE [ Packed sequences ])
         self.profile = None  # a profiler measuring this microbatch's units (ds_hilore.plan)
         self.plan_key = None  # what the policy planned this microbatch with
+        self.timing = None  # the policy's timing of this microbatch (leave-one-out), if any
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)

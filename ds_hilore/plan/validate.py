@@ -1,0 +1,58 @@
+"""Plan validation by leave-one-out timing under joint execution.
+
+NOTE [ Leave-one-out ]
+Profiled utilities are measured unit by unit and assumed to add up. Under joint execution they
+need not: recomputations overlap, a fast-forward changes what a re-run costs, the allocator and
+the caches react to what is kept. When a bucket's plan is first built, its next microbatches
+run the plan itself and, for every layer the plan does not recompute, the plan with that layer
+recomputed instead, interleaved, ``repeats`` times each (forward and backward timed, the
+optimizer step not). A layer whose leave-one-out utility -- median time without its option
+minus median time with the plan -- is not positive gains nothing in practice: it is
+recomputed from then on and the knapsack runs again without it. Timings are the max over ranks.
+Pure bookkeeping: the scheduler runs the variants and reads the decision.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+class LeaveOneOut:
+    """The variants still to run and their timings (``None`` = the plan itself)."""
+
+    def __init__(self, layers: list[int], repeats: int):
+        variants: list[int | None] = [None, *layers]
+        self.queue = [v for _ in range(repeats) for v in variants]  # interleaved: drift hits all
+        self.times: dict[int | None, list[float]] = {v: [] for v in variants}
+        self.current: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self.queue
+
+    def next_variant(self) -> int | None:
+        self.current = self.queue.pop(0)
+        return self.current
+
+    def record(self, variant: int | None, seconds: float) -> None:
+        self.times[variant].append(seconds)
+
+    def flat(self) -> list[float]:
+        return [t for v in self.times for t in self.times[v]]
+
+    def set_flat(self, values: list[float]) -> None:
+        it = iter(values)
+        self.times = {v: [next(it) for _ in ts] for v, ts in self.times.items()}
+
+    def utilities(self) -> dict[int, float]:
+        """Seconds each layer's option saves under joint execution (median without - with)."""
+        base = self.times[None]
+        if not base:
+            return {}
+        with_plan = statistics.median(base)
+        return {v: statistics.median(ts) - with_plan for v, ts in self.times.items()
+                if v is not None and ts}
+
+    def dropped(self) -> set[int]:
+        """Layers whose option does not pay under joint execution."""
+        return {layer for layer, utility in self.utilities().items() if utility <= 0}
