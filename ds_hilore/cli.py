@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                          help="where to run (default auto: cuda if available)")
     profile.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    profile.add_argument("--spearman", action="store_true", help=(
+        "hold out one more microbatch and report how well the predicted risk ranks the measured "
+        "gradient error of every packable unit's less and more exposed half of the sequences "
+        "(two matched passes per unit)"))
     profile.set_defaults(run=_run_profile)
 
     config = sub.add_parser("config", help="validate the \"hilore\" block of a ds_config",
@@ -396,7 +400,9 @@ def _with_lora(model, r: int, seed: int):
 
 def _grpo_microbatch(model, batch: int, seq: int, seed: int, device) -> None:
     """Forward and backward of one synthetic GRPO microbatch of (batch, seq) random tokens;
-    rewards differ within each group of 2, so every advantage is non-zero (an odd last row: 1)."""
+    rewards differ within each group of 2, so every advantage is non-zero (an odd last row: 1),
+    scaled by the batch's std as TRL's scale_rewards="batch" does, so |A| differs between groups;
+    completions have random lengths (at least a quarter of the positions): exposure varies."""
     import torch
 
     from ds_hilore.grpo import group_advantages, policy_loss
@@ -408,11 +414,12 @@ def _grpo_microbatch(model, batch: int, seq: int, seed: int, device) -> None:
     advantages = torch.ones(batch, dtype=torch.float32)  # (B,)
     paired = batch - batch % 2
     if paired:
-        advantages[:paired] = group_advantages(rewards[:paired], group_size=2).float()
+        advantages[:paired] = group_advantages(rewards[:paired], group_size=2, scale="batch").float()
+    lengths = torch.randint(max(1, (seq - 1) // 4), seq, (batch,), generator=generator)  # (B,)
+    mask = (torch.arange(seq - 1)[None, :] < lengths[:, None]).float().to(device)  # (B, T-1)
     ids, advantages = ids.to(device), advantages.to(device)
     logits = model(input_ids=ids).logits[:, :-1].float()  # (B, T-1, V)
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    mask = torch.ones_like(logp)
     policy_loss(logp, logp.detach(), advantages, mask, model=model).loss.backward()
 
 
@@ -452,6 +459,21 @@ def _profile_run(model, runtime, args: argparse.Namespace, device) -> dict:
                  "planned, calibration pass" if scheduler.calibrated > calibrated else "planned")
         _progress(f"[{step + 1}/{total}] microbatch {args.micro_batch}x{args.seq_len} ({phase}): "
                   f"{time.perf_counter() - begin:.1f} s")
+    step = total
+    while any(b.loo is not None for b in scheduler.buckets.values()):  # leave-one-out to its end
+        begin = time.perf_counter()
+        _grpo_microbatch(model, args.micro_batch, args.seq_len, args.seed * 100_003 + step, device)
+        runtime.end_step()
+        step += 1
+        _progress(f"[{step}] microbatch {args.micro_batch}x{args.seq_len} (leave-one-out timing): "
+                  f"{time.perf_counter() - begin:.1f} s")
+    if args.spearman:
+        begin = time.perf_counter()
+        scheduler.hold_out()
+        _grpo_microbatch(model, args.micro_batch, args.seq_len, args.seed * 100_003 + step, device)
+        runtime.end_step()
+        _progress(f"held-out microbatch: ranking check of the risk model: "
+                  f"{time.perf_counter() - begin:.1f} s")
     return _profile_report(model, runtime, args, device, torch.get_num_threads())
 
 
@@ -484,6 +506,8 @@ def _profile_report(model, runtime, args: argparse.Namespace, device, threads: i
             "rel_error": cost.rel_error, "packable": packable, "sliceable": cost.sliceable,
             "group": group, "susceptibility": risk.susceptibility(group),
             "susceptibility_from": ("group" if risk.samples.get(group) else
+                                    "kind" if any(v for g, v in risk.samples.items()
+                                                  if g.split(":")[0] == cost.kind) else
                                     "all groups" if any(risk.samples.values()) else "prior"),
             "action": plan["actions"].get(cost.name, "R")})
     plan["mix"] = {a: sum(1 for x in plan["actions"].values() if x == a) for a in "HLSR"}
@@ -505,6 +529,8 @@ def _profile_report(model, runtime, args: argparse.Namespace, device, threads: i
         "susceptibility": {"prior": risk.prior, "samples": risk.to_dict()["samples"],
                            "groups": {g: risk.susceptibility(g) for g in sorted({r["group"] for r in rows})}},
         "profile": profile_dict, "config": runtime.config.to_dict(),
+        "leave_one_out": stats.get("leave_one_out", {}).get(key),
+        "ranking": stats.get("ranking"),
     }
 
 
@@ -556,8 +582,19 @@ def _profile_table(report: dict) -> str:
     sus = report["susceptibility"]
     groups = ", ".join(f"{g} {s:.3f} ({len(sus['samples'].get(g, []))})" for g, s in sus["groups"].items())
     lines.append(f"s: susceptibility of the unit's group (kind, depth half), median of its calibration "
-                 f"samples (count): {groups}; a group without samples takes the median of all, "
+                 f"samples (count): {groups}; a group without samples takes its kind's, else all groups', "
                  f"before any the prior {sus['prior']:.1f}")
+    loo = report.get("leave_one_out")
+    if loo:
+        saved = ", ".join(f"layer {k} {v * 1e3:+.1f} ms" for k, v in sorted(loo["utilities_s"].items()))
+        lines.append(f"leave-one-out (time each kept layer saves under joint execution): {saved}; "
+                     f"recomputed from then on: {loo['recomputed_layers'] or 'none'}")
+    ranking = report.get("ranking")
+    if ranking:
+        rho = ranking["spearman"]
+        lines.append(f"held-out ranking check: Spearman {'n/a' if rho is None else f'{rho:.2f}'} "
+                     f"between predicted risk and measured gradient error over "
+                     f"{len(ranking['slices'])} slices (each packable unit's less / more exposed half)")
     lines.append("U(H) = recompute - capture, U(L) = recompute - pack - unpack: the time a "
                  "microbatch saves against R; '-': not packable")
     return "\n".join(lines)

@@ -131,3 +131,7 @@ def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...]
         return results
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        # DeepSpeed's CPU all-reduce leaves its shared-memory buffers in /dev/shm; a whole test
+        # session of launches would otherwise hold gigabytes of the machine's memory
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            path.unlink(missing_ok=True)

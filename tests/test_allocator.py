@@ -671,3 +671,27 @@ def test_refresh_interval_reuses_the_last_risk_decision(monkeypatch):
         _grpo_microbatch(model, step)
         runtime.end_step()
     assert fits == [PROFILED, PROFILED + 3]  # planned microbatches 0 and 3 of 6 re-read exposure
+
+
+def test_held_out_ranking_check_measures_every_packable_slice():
+    model = _model()
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=0))
+    for step in range(PROFILED + 1):
+        _grpo_microbatch(model, step)
+        runtime.end_step()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    runtime.policy.hold_out()
+    _grpo_microbatch(model, PROFILED + 1, rewards=torch.tensor([1.0, 0.0, 0.75, 0.0]))
+    before = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    runtime.end_step()
+    after = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # passes never touch .grad
+    assert not all(torch.equal(a, b) for a, b in zip(grads, before))
+    ranking = runtime.stats["ranking"]
+    profile = runtime.stats["profiles"][BUCKET_NAME]["units"]
+    packable = [u["name"] for u in profile if u["l_bytes"] < u["h_bytes"]]
+    assert packable and sorted({s["unit"] for s in ranking["slices"]}) == sorted(packable)
+    for s in ranking["slices"]:
+        assert s["measured"] > 0 and s["predicted"] >= 0  # a packed slice always perturbs
+    assert len(ranking["slices"]) == 2 * len(packable)  # the less and the more exposed half
+    assert -1.0 <= ranking["spearman"] <= 1.0

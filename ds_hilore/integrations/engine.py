@@ -160,7 +160,9 @@ def _check_supported(model: Optional[torch.nn.Module], ds_config: Mapping) -> No
 
 # ---- attaching ---------------------------------------------------------------------------
 def _attach_runtime(engine: Any, hilore_config: HiLoReConfig) -> None:
-    from ds_hilore.plan import attach  # the runtime needs no DeepSpeed; imported when enabled only
+    from ds_hilore.plan import (
+        attach,  # the runtime needs no DeepSpeed; imported when enabled only
+    )
 
     runtime = attach(engine.module, hilore_config)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -13,6 +13,9 @@ the max over ranks.
 * Calibration (the first ``calibration_microbatches`` planned microbatches): one group of units
   (kind x depth half, cycling) has a random half of its packable units in L; the measured error
   over the sum of their codec errors is one susceptibility sample (risk.py).
+* Ranking check (``Scheduler.hold_out()``, used by ``hilore profile --spearman``): every packable
+  unit's less and more exposed half of the sequences in L alone; Spearman between predicted risk
+  and measured error over those slices.
 * Validation (every ``validation_interval`` steps): the plan the microbatch really ran, after
   every downgrade; an error above ``grad_error_tolerance`` tightens the risk budget.
 
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ds_hilore.plan.risk import group_of
+from ds_hilore.plan.risk import group_of, share, spearman
 
 logger = logging.getLogger("ds_hilore")
 
@@ -46,6 +49,7 @@ class _Job:
     bucket: Any
     grad: torch.Tensor | None = None
     executed: dict | None = None  # unit -> (action, row states) as the microbatch ran
+    exposure: dict | None = None  # unit -> E_{u,i} per sequence of the microbatch (held-out)
 
 
 class MatchedPasses:
@@ -56,6 +60,8 @@ class MatchedPasses:
         self.seconds = 0.0  # what the passes cost so far
         self._warned = False
         self._validated_step = -1
+        self.hold_out = False  # the next planned microbatch is held out for a ranking check
+        self.ranking: dict | None = None  # the last ranking check (see ``rank_slices``)
 
     # ------------------------------------------------------------------ selection
     def begin_forward(self, args, kwargs, bucket) -> None:
@@ -64,7 +70,9 @@ class MatchedPasses:
         if bucket.plan is None or not self._supported():
             return
         kind = None
-        if s.calibrated < s.config.calibration_microbatches and s.runtime._codec is not None:
+        if self.hold_out and s.runtime._codec is not None:
+            kind, self.hold_out = "hold_out", False
+        elif s.calibrated < s.config.calibration_microbatches and s.runtime._codec is not None:
             kind = "calibrate"
         elif (s.config.validation_interval and s.steps % s.config.validation_interval == 0
               and self._validated_step != s.steps):
@@ -80,6 +88,7 @@ class MatchedPasses:
         if job is None or job.grad is not None:
             return
         job.grad = grad.detach().clone()  # (B, T, H)
+        job.exposure = {name: values.tolist() for name, values in mb.exposure.items()}
         job.executed = {}
         for frame in mb.live_frames():
             for pos, unit in enumerate(frame.layer.units):
@@ -107,7 +116,9 @@ class MatchedPasses:
         begin = time.perf_counter()
         s = self.scheduler
         exact = self._grads(job, "R", {})
-        if job.kind == "calibrate":
+        if job.kind == "hold_out":
+            self.ranking = self._rank_slices(job, exact)
+        elif job.kind == "calibrate":
             group, names, eps = self._calibration_subset(job.bucket)
             approx = self._grads(job, {n: ("L" if n in names else "R") for n in job.executed}, {})
             error = self._agree(_rel_error(approx, exact))
@@ -131,11 +142,39 @@ class MatchedPasses:
         s.replan()
         self.seconds += time.perf_counter() - begin
 
+    def _rank_slices(self, job: _Job, exact: list[torch.Tensor]) -> dict:
+        """How well the risk model ranks measured error on a held-out microbatch: for every
+        packable unit and each half of the sequences (the less and the more exposed), the error
+        of a pass with only that slice in L against the predicted risk; Spearman over slices."""
+        s = self.scheduler
+        costs = {c.name: c for c in job.bucket.profile.units}
+        n_layers = 1 + max(c.layer for c in costs.values())
+        batch = job.grad.shape[0]
+        slices = []
+        for name, cost in costs.items():
+            if cost.l_bytes >= cost.h_bytes or name not in job.executed:
+                continue
+            exposure = job.exposure.get(name) or [1.0] * batch
+            order = sorted(range(batch), key=lambda i: exposure[i])
+            halves = [order[:batch // 2], order[batch // 2:]] if cost.sliceable and batch > 1 else [order]
+            for rows in halves:
+                predicted = s.risk.risk(group_of(cost.kind, cost.layer, n_layers), cost.rel_error,
+                                        share(exposure, rows))
+                per_row = tuple("L" if i in rows else "H" for i in range(batch))
+                actions = {n: ("H" if n == name else "R") for n in job.executed}
+                measured = self._agree(_rel_error(self._grads(job, actions, {name: per_row}), exact))
+                slices.append({"unit": name, "rows": rows, "predicted": predicted, "measured": measured})
+        rho = spearman([x["predicted"] for x in slices], [x["measured"] for x in slices]) \
+            if len(slices) > 1 else None
+        return {"spearman": rho, "slices": slices}
+
     def _calibration_subset(self, bucket) -> tuple[str, set[str], float]:
         s = self.scheduler
         costs = [c for c in bucket.profile.units if c.l_bytes < c.h_bytes]
         n_layers = 1 + max(c.layer for c in bucket.profile.units)
-        groups = sorted({group_of(c.kind, c.layer, n_layers) for c in costs})
+        # kinds alternate (attn:low, mlp:low, attn:high, ...): few passes still cover each kind
+        groups = sorted({group_of(c.kind, c.layer, n_layers) for c in costs},
+                        key=lambda g: (g.split(":")[1] != "low", g))
         if not groups:
             return "", set(), 0.0
         group = groups[s.calibrated % len(groups)]

@@ -32,11 +32,14 @@ class RiskModel:
     samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # group -> s
 
     def susceptibility(self, group: str) -> float:
-        """s of a group: the median of its samples; else of all samples; else the prior."""
+        """s of a group: the median of its samples; else of its kind's (other depth); else of
+        all samples; else the prior."""
         if self.samples.get(group):
             return statistics.median(self.samples[group])
+        kind = group.split(":")[0]
+        same = [s for g, values in self.samples.items() if g.split(":")[0] == kind for s in values]
         every = [s for values in self.samples.values() for s in values]
-        return statistics.median(every) if every else self.prior
+        return statistics.median(same or every) if (same or every) else self.prior
 
     def add(self, group: str, measured_error: float, eps_sum: float) -> float | None:
         """Fold in one matched pass; returns the sample s (None when nothing was packed)."""

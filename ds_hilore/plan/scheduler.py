@@ -166,6 +166,11 @@ class Scheduler:
         on-policy with beta = 0): its sequences are split and elided by it before the forward."""
         self.expected = None if exposure is None else [float(x) for x in exposure]
 
+    def hold_out(self) -> None:
+        """Hold the next planned microbatch out for a ranking check of the risk model, run at
+        the following ``end_step``; the result is ``stats["ranking"]``."""
+        self.passes.hold_out = True
+
     @property
     def stats(self) -> dict[str, Any]:
         s = self.last_stats or self.step_stats
@@ -182,6 +187,7 @@ class Scheduler:
                 "leave_one_out": {f"{k[0]}x{k[1]}": {"utilities_s": b.loo_utilities,
                                                      "recomputed_layers": sorted(b.excluded)}
                                   for k, b in self.buckets.items() if b.loo_utilities is not None},
+                "ranking": self.passes.ranking,
                 "calibration": {"microbatches": self.calibrated, "seconds": self.passes.seconds,
                                 "susceptibility": dict(self.risk.to_dict()["samples"])},
                 "profiles": {f"{k[0]}x{k[1]}": (b.profile.to_dict() if b.profile else None)

@@ -62,14 +62,25 @@ def launch(arm: Arm, output_dir: Path, trainer_args: Sequence[str], nprocs: int 
     if reuse and stamp.is_file() and json.loads(stamp.read_text()) == key:
         print(f"\n=== {arm.name}: reusing the finished run in {output_dir}", flush=True)
         return json.loads((Path(output_dir) / "summary.json").read_text())
+    port = _free_port()
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), "--master_port",
-           str(_free_port()), "--module", "examples.grpo.train", *args]
+           str(port), "--module", "examples.grpo.train", *args]
     print(f"\n=== {arm.name}: {' '.join(cmd[1:])}", flush=True)
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=_environment(nprocs))
+    try:
+        done = subprocess.run(cmd, cwd=REPO_ROOT, env=_environment(nprocs))
+    finally:
+        remove_shm_buffers(port)
     if done.returncode != 0:
         sys.exit(f"error: the {arm.name} run failed (exit code {done.returncode}); its output is above.")
     stamp.write_text(json.dumps(key, indent=1))
     return json.loads((Path(output_dir) / "summary.json").read_text())
+
+
+def remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves its shared-memory buffers (tens of MiB per rank) in
+    /dev/shm when the ranks exit; a launch removes those of its own port."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
 
 
 def _environment(nprocs: int) -> dict[str, str]:

@@ -1,0 +1,19 @@
+"""Session-wide hygiene for the test suite."""
+
+from pathlib import Path
+
+import pytest
+
+_SHM = Path("/dev/shm")
+_BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-reduce, left behind by its ranks
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_leaked_shared_memory():
+    """Every 2-rank launch leaves DeepSpeed's shared-memory all-reduce buffers (~70 MB per rank)
+    in /dev/shm, which is the machine's memory: remove the ones this session created."""
+    before = set(_SHM.glob(_BUFFERS)) if _SHM.is_dir() else set()
+    yield
+    if _SHM.is_dir():
+        for path in set(_SHM.glob(_BUFFERS)) - before:
+            path.unlink(missing_ok=True)
