@@ -7,6 +7,8 @@
     hilore units --list-archs                 the architectures --arch accepts
     hilore profile --model qwen2 --seq-len 512 --micro-batch 8 [--json PATH]
                                               measured cost, utility and susceptibility per unit
+    hilore bench --model tiny --budgets 1.05,1.10,1.20 [--json OUT.json --plot OUT.png]
+                                              throughput / memory / gradient-error frontier
     hilore config --check ds_config.json      validate the "hilore" block; exit 2 on error
 """
 
@@ -119,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(two matched passes per unit)"))
     profile.set_defaults(run=_run_profile)
 
+    bench = sub.add_parser(
+        "bench", help="throughput / peak memory / gradient error frontier of activation methods",
+        description="Time the GRPO actor update (forward, loss, backward, AdamW step) of every "
+        "activation method (no checkpointing, HF GC, DeepSpeed AC, torch SAC, offload, HiLoRe "
+        "variants per memory budget) on copies of one model, round-robin; then peak memory, "
+        "gradient error against no checkpointing and recomputed FLOPs in separate passes. "
+        "Prints a table; --json and --plot write the report and the frontier.")
+    from ds_hilore.bench.frontier import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
+    bench.set_defaults(run=_run_bench)
+
     config = sub.add_parser("config", help="validate the \"hilore\" block of a ds_config",
                             description="Print the resolved \"hilore\" block (defaults filled in) "
                             f"of a ds_config file, or the error; exit {EXIT_CONFIG_ERROR} on error.")
@@ -220,6 +234,19 @@ def _run_config_check(args: argparse.Namespace) -> int:
         print(f"{args.check}: the \"hilore\" block is valid; resolved (defaults filled in):")
     print(json.dumps({"hilore": config.to_dict()}, indent=2))
     return 0
+
+
+# ---------------------------------------------------------------------------------- bench
+def _run_bench(args: argparse.Namespace) -> int:
+    from ds_hilore.bench import frontier
+
+    try:
+        config = frontier.check_args(args)
+    except frontier.BenchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    config["threads"] = args.threads
+    return frontier.main(config, args.json, args.plot)
 
 
 # ---------------------------------------------------------------------------------- profile

@@ -1,0 +1,244 @@
+"""The registry of ``hilore bench``: every way of keeping activations for the backward.
+
+Adding a method is one entry in ``METHODS``: a ``Method`` whose ``setup(model, config)`` switches
+it on for one model copy and returns a ``Context`` (the HiLoRe runtime, if any, and a per-step
+context manager), and whose ``teardown(model, context)`` switches it off again.
+``skip_reason(config)`` says why a method cannot run in this configuration (``None``: it can).
+
+``static`` is HiLoRe's allocator made exposure-blind in the simplest honest way: a ``Scheduler``
+subclass (``ExposureBlindScheduler``) whose risk pricing treats every sequence as equally exposed
+(the share of a packed unit's risk is its share of sequences, never the measured per-token
+exposure) and which ignores predicted exposure (``expect``) when splitting rows. Everything else
+-- profiling, budget, knapsack, calibration, leave-one-out, the exact elision of A = 0 rows --
+is HiLoRe's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+
+from ds_hilore.bench.demo import _hf_checkpointing_switches
+
+__all__ = ["Context", "Method", "METHODS", "ExposureBlindScheduler", "budgeted"]
+
+
+@dataclasses.dataclass
+class Context:
+    """What ``Method.setup`` returns: the runtime (HiLoRe methods) and a per-step context."""
+
+    runtime: Any = None
+    step: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    note: str | None = None  # e.g. the k block_h chose
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class Method:
+    """One method. ``budgeted``: one run per memory budget (``config["budget"]`` is set)."""
+
+    name = ""
+    budgeted = False
+    exact = False  # the gradient equals no checkpointing's (up to op order)
+    policy = False  # HiLoRe's scheduler decides: warm up through profiling/calibration/LOO
+
+    def skip_reason(self, config: dict[str, Any]) -> str | None:
+        return None
+
+    def setup(self, model: torch.nn.Module, config: dict[str, Any]) -> Context:
+        return Context()
+
+    def teardown(self, model: torch.nn.Module, context: Context) -> None:
+        if context.runtime is not None:
+            context.runtime.detach()
+
+
+class NoGC(Method):
+    name, exact = "nogc", True
+
+
+class HFCheckpointing(Method):
+    """transformers' non-reentrant checkpointing, with ``kwargs`` for ``torch.utils.checkpoint``."""
+
+    name, exact = "gc", True
+
+    def kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        return {"use_reentrant": False}
+
+    def setup(self, model, config):
+        enable, _ = _hf_checkpointing_switches(_base(model))
+        enable(self.kwargs(config))
+        return Context()
+
+    def teardown(self, model, context):
+        _, disable = _hf_checkpointing_switches(_base(model))
+        disable()
+
+
+_SAC_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_cudnn_attention")
+
+
+class SelectiveAC(HFCheckpointing):
+    """torch SAC: matmul (and fused attention) outputs saved, everything else recomputed."""
+
+    name = "sac"
+
+    def kwargs(self, config):
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        aten = torch.ops.aten
+        ops = [getattr(aten, n).default for n in _SAC_OPS if hasattr(aten, n)]
+        return {"use_reentrant": False,
+                "context_fn": functools.partial(create_selective_checkpoint_contexts, ops)}
+
+
+class DeepSpeedAC(Method):
+    """``deepspeed.checkpointing.checkpoint`` as every decoder layer's checkpoint function."""
+
+    name, exact = "ds_ac", True
+
+    def skip_reason(self, config):
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return ("deepspeed.checkpointing needs a torch.distributed process group "
+                    "(deepspeed.init_distributed); the bench runs one process without one")
+        return None
+
+    def setup(self, model, config):
+        import deepspeed
+
+        dsc = deepspeed.checkpointing
+
+        if not dsc.is_configured():
+            dsc.configure(None, partition_activations=False, contiguous_checkpointing=False,
+                          checkpoint_in_cpu=False, synchronize=False, profile=False)
+        lm = _base(model)
+        lm.enable_input_require_grads()  # reentrant-style: a layer input must require grad
+        lm._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=dsc.checkpoint)
+        return Context()
+
+    def teardown(self, model, context):
+        lm = _base(model)
+        lm.gradient_checkpointing_disable()
+        if getattr(lm, "_require_grads_hooks", None):
+            lm.disable_input_require_grads()
+
+
+class Offload(Method):
+    """Every saved activation offloaded to host memory (``save_on_cpu``), none recomputed."""
+
+    name, exact = "offload", True
+
+    def skip_reason(self, config):
+        if config["device"] != "cuda":
+            return "save_on_cpu offloads device activations to host; on a CPU device it is meaningless"
+        return None
+
+    def setup(self, model, config):
+        return Context(step=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+
+
+class HiLoRe(Method):
+    """HiLoRe (``ds_hilore.attach``) with ``overrides`` on top of the bench's base block."""
+
+    def __init__(self, name: str, overrides: dict[str, Any] | None = None, budgeted: bool = True,
+                 exact: bool = False, policy: bool = True):
+        self.name, self.overrides = name, dict(overrides or {})
+        self.budgeted, self.exact, self.policy = budgeted, exact, policy
+
+    def hilore_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        block = {"codec_backend": config["codec_backend"]}
+        if self.budgeted:
+            block["memory_budget"] = float(config["budget"])
+        block.update(self.overrides)
+        return block
+
+    def setup(self, model, config):
+        from ds_hilore import attach
+
+        return Context(runtime=attach(model, self.hilore_config(config)))
+
+
+class BlockH(HiLoRe):
+    """The last k decoder layers kept whole, the rest recomputed; k from ``config["block_k"]``
+    (the bench finds the largest k whose measured peak fits the budget)."""
+
+    def __init__(self):
+        super().__init__("block_h", budgeted=True, exact=True, policy=False)
+
+    def hilore_config(self, config):
+        k, n = int(config.get("block_k", 0)), int(config["layers_n"])
+        plan = {"*": "R"}
+        for i in range(n - k, n):
+            plan[f"model.layers.{i}.*"] = "H"
+        return {"codec_backend": config["codec_backend"], "force_plan": plan}
+
+    def setup(self, model, config):
+        context = super().setup(model, config)
+        context.note = f"k={int(config.get('block_k', 0))}"
+        return context
+
+
+class Static(HiLoRe):
+    def __init__(self):
+        super().__init__("static")
+
+    def setup(self, model, config):
+        context = super().setup(model, config)
+        runtime = context.runtime
+        if runtime.policy is not None:
+            runtime.policy = ExposureBlindScheduler(runtime)
+        return context
+
+
+def _exposure_blind_scheduler():
+    from ds_hilore.plan.scheduler import Scheduler
+
+    class _ExposureBlind(Scheduler):
+        """The allocator without exposure: uniform risk share, no predicted-exposure splits."""
+
+        def expect(self, exposure):
+            self.expected = None
+
+        def _fit_risk(self, mb, bucket):
+            saved = mb.exposure
+            mb.exposure = {}  # risk share = share of sequences packed (Scheduler's fallback)
+            try:
+                return super()._fit_risk(mb, bucket)
+            finally:
+                mb.exposure = saved
+
+    return _ExposureBlind
+
+
+def ExposureBlindScheduler(runtime):  # noqa: N802 (a class made on first use: lazy import)
+    return _exposure_blind_scheduler()(runtime)
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    NoGC(),
+    HFCheckpointing(),
+    DeepSpeedAC(),
+    SelectiveAC(),
+    Offload(),
+    BlockH(),
+    HiLoRe("all_l", {"force_plan": "L"}, policy=False),
+    Static(),
+    HiLoRe("hr", {"low_precision": "none"}),
+    HiLoRe("hilore"),
+    # runtime efficiency of HiLoRe's machinery: forced all-R (vs gc) and all-H (vs nogc)
+    HiLoRe("hilore_all_r", {"force_plan": "R"}, budgeted=False, exact=True, policy=False),
+    HiLoRe("hilore_all_h", {"force_plan": "H"}, budgeted=False, exact=True, policy=False),
+)}
+
+
+def budgeted(name: str) -> bool:
+    return METHODS[name].budgeted
