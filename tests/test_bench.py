@@ -51,6 +51,8 @@ def test_schema_and_every_method(bench):
         assert row["peak_bytes"] > 0 and row["activation_peak_bytes"] >= 0, name
         assert row["cpu_s"]["median"] > 0, name
         assert row["grad_err"]["mean"] >= 0 and row["grad_err"]["max"] >= row["grad_err"]["mean"]
+    assert set(report["efficiency"]) == {"hilore_all_r_vs_gc", "hilore_all_h_vs_nogc"}
+    assert all(len(pair) == 2 for pair in report["overlaps"])
     offload = _runs(report, "offload")[0]
     assert "CPU" in offload["skipped"]  # meaningless on a CPU device
     for name in ("nogc", "gc", "sac", "block_h", "all_l", "static", "hr", "hilore"):

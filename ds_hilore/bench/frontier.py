@@ -33,14 +33,14 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from ds_hilore.bench.methods import METHODS, Context
 from ds_hilore.grpo import group_advantages, policy_loss, token_logprobs
 
-__all__ = ["PRESETS", "BenchError", "run_bench", "parse_budgets", "check_args", "DEFAULT_METHODS"]
+__all__ = ["DEFAULT_METHODS", "PRESETS", "BenchError", "check_args", "parse_budgets", "run_bench"]
 
 MiB = 1 << 20
 STEP_SEED = 1234
@@ -233,7 +233,7 @@ class Run:
     backward_flops: int | None = None
     stats: dict[str, Any] | None = None
     note: str | None = None
-    copy_of: "Run | None" = None  # all_l: measured once, reported per budget
+    copy_of: Run | None = None  # all_l: measured once, reported per budget
     calibration_seen: list = dataclasses.field(default_factory=list)
 
     @property
@@ -477,6 +477,8 @@ def run_bench(config: dict[str, Any]) -> dict[str, Any]:
 
     report = _report(config, runs, gc_peak, tokens, nogc_flops, block_k)
     report["config"]["gc_probe_peak_bytes"] = int(gc_probe_peak)  # block_h's k was found with it
+    report["overlaps"] = [list(pair) for pair in overlaps(report)]
+    report["efficiency"] = efficiency(report)
     return report
 
 
@@ -562,6 +564,15 @@ def overlaps(report) -> list[tuple[str, str]]:
     return out
 
 
+def efficiency(report) -> dict[str, float]:
+    """HiLoRe's machinery alone: forced all-R vs gc, forced all-H vs nogc (throughput ratios)."""
+    med = {(r["method"], r["budget"]): r["tokens_per_s"]["median"]
+           for r in report["runs"] if r.get("tokens_per_s")}
+    return {f"{forced}_vs_{ref}": med[(forced, None)] / med[(ref, None)]
+            for forced, ref in (("hilore_all_r", "gc"), ("hilore_all_h", "nogc"))
+            if (forced, None) in med and (ref, None) in med}
+
+
 def table(report) -> str:
     gc_peak = report["gc_peak_bytes"]
     head = (f"{'method':<14} {'budget':>6} | {'tok/s med':>10} {'min':>9} {'max':>9} | "
@@ -589,12 +600,9 @@ def table(report) -> str:
             f"{gap:>6} {r['cpu_s']['median']:>6.2f} {rf:>9} | {mix}")
     lines.append(f"GC peak {gc_peak / MiB:.1f} MiB (whole process); HiLoRe profiling + calibration "
                  f"+ leave-one-out (not in the timed steps): {report['profile_s']:.2f} s")
-    med = {(r["method"], r["budget"]): r["tokens_per_s"]["median"]
-           for r in report["runs"] if r.get("tokens_per_s")}
-    for forced, ref in (("hilore_all_r", "gc"), ("hilore_all_h", "nogc")):
-        if (forced, None) in med and (ref, None) in med:
-            lines.append(f"runtime efficiency: {forced} runs at {med[(forced, None)] / med[(ref, None)]:.2f}x "
-                         f"the throughput of {ref}")
+    for key, ratio in efficiency(report).items():
+        forced, ref = key.split("_vs_")
+        lines.append(f"runtime efficiency: {forced} runs at {ratio:.2f}x the throughput of {ref}")
     pairs = overlaps(report)
     if pairs:
         lines.append("min-max throughput ranges overlap (not distinguishable at this repeat "

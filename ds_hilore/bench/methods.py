@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ds_hilore.bench.demo import _hf_checkpointing_switches
 
-__all__ = ["Context", "Method", "METHODS", "ExposureBlindScheduler", "budgeted"]
+__all__ = ["METHODS", "Context", "ExposureBlindScheduler", "Method", "budgeted"]
 
 
 @dataclasses.dataclass
@@ -219,7 +220,7 @@ def _exposure_blind_scheduler():
     return _ExposureBlind
 
 
-def ExposureBlindScheduler(runtime):  # noqa: N802 (a class made on first use: lazy import)
+def ExposureBlindScheduler(runtime):
     return _exposure_blind_scheduler()(runtime)
 
 
