@@ -229,8 +229,10 @@ def test_zero_stage_and_precision_match_gc(stage, precision):
 
 # ---- checkpoints -------------------------------------------------------------------------
 def _marked_state(engine) -> dict:
-    """A learned state that differs from a fresh runtime's, to see whether it was restored."""
-    engine.hilore.set_plan({"model.layers.0.*": "H"})
+    """A learned state that differs from a fresh runtime's, to see whether it was restored:
+    a plan and a calibration sample of the allocator."""
+    engine.hilore.apply_plan({"model.layers.0.*": "H"})
+    engine.hilore.policy.risk.add("attn:low", 0.004, 0.01)
     return engine.hilore.state_dict()
 
 

@@ -196,7 +196,8 @@ class Scheduler:
     def state_dict(self) -> dict[str, Any]:
         return {"risk": self.risk.to_dict(), "tighten": self.tighten, "calibrated": self.calibrated,
                 "profiles": [b.profile.to_dict() for b in self.buckets.values() if b.profile],
-                "excluded": {f"{k[0]}x{k[1]}": sorted(b.excluded) for k, b in self.buckets.items()}}
+                "excluded": {f"{k[0]}x{k[1]}": sorted(b.excluded) for k, b in self.buckets.items()
+                             if b.profile}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.risk = RiskModel.from_dict(state.get("risk", {}))
