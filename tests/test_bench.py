@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -55,6 +58,7 @@ def test_schema_and_every_method(bench):
     assert all(len(pair) == 2 for pair in report["overlaps"])
     offload = _runs(report, "offload")[0]
     assert "CPU" in offload["skipped"]  # meaningless on a CPU device
+    assert "--ds-init" in _runs(report, "ds_ac")[0]["skipped"]  # no DeepSpeed group here
     for name in ("nogc", "gc", "sac", "block_h", "all_l", "static", "hr", "hilore"):
         assert not _runs(report, name)[0]["skipped"], name
 
@@ -112,3 +116,20 @@ def test_bad_flags_exit_2(capsys, flags, words):
     assert len(err.splitlines()) == 1 and err.startswith("error: ")
     for word in words:
         assert word in err, (word, err)
+
+
+@pytest.mark.skipif(not os.environ.get("HILORE_BENCH_DS_AC"), reason=(
+    "set HILORE_BENCH_DS_AC=1: starts a one-rank DeepSpeed group, whose CPU comm op DeepSpeed "
+    "builds first (minutes)"))
+def test_ds_ac_with_a_one_rank_group(tmp_path):
+    out = tmp_path / "ds.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_hilore.cli", "bench", "--model", "tiny", "--seq-len", "32",
+         "--micro-batch", "4", "--repeats", "1", "--methods", "nogc,gc,ds_ac", "--ds-init",
+         "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    row = _runs(report, "ds_ac")[0]
+    assert row["skipped"] is None and row["grad_err"]["max"] == 0.0
+    assert row["activation_peak_bytes"] <= _runs(report, "nogc")[0]["activation_peak_bytes"]

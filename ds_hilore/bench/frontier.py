@@ -15,6 +15,10 @@ baseline for every run; ``activation_peak_bytes`` is the peak above what was in 
 of the step (weights, optimizer state, gradients freed). With LoRA the copies share the frozen
 base weights; only adapters and optimizer state are per copy.
 
+``ds_ac`` needs DeepSpeed's communication backend: when none is up it is skipped, unless
+``--ds-init``: then the bench starts a one-rank group (gloo on CPU, nccl on CUDA, a free local
+port) and ends it when done (on CPU, DeepSpeed first builds its shm comm op: minutes).
+
 Notes: LoRA dropout is 0 (every copy draws the same masks anyway: the RNG is reseeded each
 step). ``all_l``'s plan does not depend on the budget: it is measured once, and the row is
 repeated per budget (``measured_once``). HiLoRe's own budget is relative to the GC peak it
@@ -124,7 +128,8 @@ def check_args(args) -> dict[str, Any]:
             "budgets": parse_budgets(args.budgets), "methods": parse_methods(args.methods),
             "repeats": args.repeats, "layers": args.layers, "full": bool(args.full),
             "dtype": args.dtype, "device": device, "lora_r": None if args.full else args.lora_r,
-            "codec_backend": args.codec_backend, "seed": args.seed, "batches": 2}
+            "codec_backend": args.codec_backend, "seed": args.seed, "batches": 2,
+            "ds_init": bool(getattr(args, "ds_init", False))}
 
 
 # ---------------------------------------------------------------------------------- model, data
@@ -474,6 +479,9 @@ def run_bench(config: dict[str, Any]) -> dict[str, Any]:
     gc_probe_peak, gc_peak = gc_peak, gc_run.peak_bytes if gc_run.peak_bytes else gc_peak
     for run in runs:
         _close(run)
+    from ds_hilore.bench.methods import end_group
+
+    end_group()
 
     report = _report(config, runs, gc_peak, tokens, nogc_flops, block_k)
     report["config"]["gc_probe_peak_bytes"] = int(gc_probe_peak)  # block_h's k was found with it
@@ -652,7 +660,12 @@ def plot(report, path: str) -> None:
 def main(config: dict[str, Any], json_path: str | None, plot_path: str | None) -> int:
     if config.get("threads"):
         torch.set_num_threads(config["threads"])
-    report = run_bench(config)
+    from ds_hilore.bench.methods import end_group
+
+    try:
+        report = run_bench(config)
+    finally:
+        end_group()
     print(table(report))
     if json_path:
         with open(json_path, "w", encoding="utf-8") as handle:
@@ -688,5 +701,8 @@ def add_arguments(parser) -> None:
                         help="default: cuda if available")
     parser.add_argument("--codec-backend", choices=("compile", "eager"), default="compile",
                         help="HiLoRe's codec kernels (default compile)")
+    parser.add_argument("--ds-init", action="store_true",
+                        help="ds_ac: start a one-rank DeepSpeed group (gloo on CPU, nccl on CUDA) "
+                             "when none is up; without it ds_ac is skipped then")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

@@ -108,14 +108,21 @@ class DeepSpeedAC(Method):
     name, exact = "ds_ac", True
 
     def skip_reason(self, config):
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            return ("deepspeed.checkpointing needs a torch.distributed process group "
-                    "(deepspeed.init_distributed); the bench runs one process without one")
+        if not torch.distributed.is_available():
+            return "deepspeed.checkpointing needs torch.distributed, which this torch lacks"
+        import deepspeed
+
+        if not deepspeed.comm.is_initialized() and not config.get("ds_init"):
+            return ("deepspeed.checkpointing needs DeepSpeed's communication backend "
+                    "(deepspeed.init_distributed), which is not up; pass --ds-init to start a "
+                    "one-rank group (on CPU DeepSpeed first builds its shm comm op: minutes)")
         return None
 
     def setup(self, model, config):
         import deepspeed
 
+        if not deepspeed.comm.is_initialized():  # a one-rank group: DS's checkpointing asks for it
+            _one_rank_group(config["device"])
         dsc = deepspeed.checkpointing
 
         if not dsc.is_configured():
@@ -131,6 +138,42 @@ class DeepSpeedAC(Method):
         lm.gradient_checkpointing_disable()
         if getattr(lm, "_require_grads_hooks", None):
             lm.disable_input_require_grads()
+
+
+STARTED_GROUP: list[bool] = []  # the bench started a process group (ended by end_group)
+
+
+def _one_rank_group(device: str) -> None:
+    """``deepspeed.init_distributed`` for this process alone (gloo on CPU, nccl on CUDA), with
+    a free local port; the environment is restored afterwards."""
+    import os
+    import socket
+
+    import deepspeed
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if saved[k] is None})
+    try:
+        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo",
+                                   auto_mpi_discovery=False, verbose=False)
+        STARTED_GROUP.append(True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+
+
+def end_group() -> None:
+    """Ends the process group ``ds_ac`` started, if it started one."""
+    if STARTED_GROUP:
+        STARTED_GROUP.clear()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 class Offload(Method):
