@@ -10,6 +10,10 @@ for any loss, the per-token norm ‖∂L/∂h_t‖ of the gradient arriving at t
 position t, normalised to mean 1 over the positions ω covers, within the unit and microbatch.
 A sequence whose ω is exactly zero everywhere contributes nothing to any parameter gradient
 (causal attention never mixes sequences): it is *exact-zero* and its slices need no storage.
+
+Packed rows (several sequences in one row of T tokens, NOTE [ Packed sequences ] in
+ds_hilore/runtime/core.py): the sequences are the row's segments, token ranges [s_k, e_k);
+``segment_exposure`` and ``zero_segments`` are ``slice_exposure`` and ``zero_rows`` per segment.
 """
 
 from __future__ import annotations
@@ -69,6 +73,28 @@ def slice_exposure(abs_omega: torch.Tensor, weights: torch.Tensor) -> torch.Tens
 def zero_rows(abs_omega: torch.Tensor) -> list[int]:
     """Sequences whose coefficients are exactly zero at every position."""
     return (abs_omega == 0).all(dim=1).nonzero().flatten().tolist()
+
+
+def segment_index(segments, seq_len: int, device) -> torch.Tensor:
+    """(T,) segment number of every hidden position of a packed row (segments: [(s, e)])."""
+    lengths = [e - s for s, e in segments]
+    if sum(lengths) != seq_len or any(n <= 0 for n in lengths):
+        raise HiLoReError(f"segments {segments} do not cover the {seq_len} positions of the row")
+    return torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(lengths)).to(device)
+
+
+def segment_exposure(abs_omega: torch.Tensor, weights: torch.Tensor, segments) -> torch.Tensor:
+    """E_{u,k} for every segment k of a packed row: (1, T) |ω| and (1, T) a_u -> (K,)."""
+    per_token = (abs_omega * weights)[0]  # (T,)
+    return torch.stack([per_token[s:e].sum() for s, e in segments])
+
+
+def zero_segments(abs_omega: torch.Tensor, segments) -> list[int]:
+    """Segments of a packed row whose coefficients are exactly zero at every position (one read)."""
+    index = segment_index(segments, abs_omega.shape[1], abs_omega.device)
+    nonzero = torch.zeros(len(segments), device=abs_omega.device).index_add_(
+        0, index, (abs_omega[0] != 0).float())
+    return (nonzero == 0).nonzero().flatten().tolist()
 
 
 def hidden_grad_norms(grad: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ which attributes it to the sub-block (unit) whose child module is executing and 
 * activations of an ``H`` unit are kept as they are, of an ``L`` unit packed per sequence, of an
   ``R`` unit dropped. Exposure may split a unit per sequence: row blocks kept ``H``, packed
   ``L`` or elided ``E`` (a sequence whose loss coefficients are all zero; NOTE [ Exact zeros ]
-  in storage.py).
+  in storage.py). The sequences are the rows, or the segments of a packed row (NOTE [ Packed
+  sequences ] in core.py: ``set_segments``, storage.segment_spans).
 
 On backward, the first unpack of an empty slot re-runs the layer from its inputs with the
 forward's RNG and autocast state (NOTE [ Recompute ]).
@@ -55,6 +56,7 @@ from ds_hilore.runtime.storage import (
     Slot,
     Stored,
     row_block,
+    segment_spans,
     stand_in_value,
 )
 from ds_hilore.runtime.units import LayerUnits
@@ -336,20 +338,41 @@ class LayerFrame:
         self.boundary: set[int] = set()  # storages entering a unit: never packed (kept exact)
         self.ff: dict[int, FastForward] = {}  # call -> what a fast-forward of it hands on
         self.rc_need: set[int] = set()
-        for unit, rows in zip(layer.units, plan.rows):
-            if rows is not None and len(rows) != self.batch:
-                raise HiLoReError(f"per-sequence plan of {unit.name} has {len(rows)} entries, but "
-                                  f"this microbatch has {self.batch} sequences; set_plan(rows=...) "
-                                  "must give one action per sequence of the next microbatch.")
+        # NOTE [ Packed sequences ] (core.py): the token ranges of the sequences packed into
+        # this call's one row, and whether its attention mask proves they never see each other
+        self.segments: list[tuple[int, int]] | None = None
+        self.segments_independent = False
         self.elided_rows: set[int] = set()  # sequences with zero loss coefficients
         self.elision_ok = True  # gradient enters only through the output (runtime decides)
         self.elision_checked = False  # the backward checks elided rows (same on every rank)
         self.check_every_layer = False  # hidden states are recorded: check this layer too
         self.skip_zero_recompute = False  # every rank agreed: all sequences elided
 
+    @property
+    def sequences(self) -> int:
+        """Sequences of the call: rows, or the segments of a packed row."""
+        return len(self.segments) if self.segments is not None else self.batch
+
+    def set_segments(self, segments, independent: bool) -> None:
+        """Sequences packed into the one row of this call (token ranges), before ``run``."""
+        if self.batch != 1 or not self.sliceable or not segments or segments[-1][1] != self.seq_len:
+            return
+        self.segments, self.segments_independent = list(segments), bool(independent)
+
+    def _check_rows(self) -> None:
+        n = self.sequences
+        for pos, (unit, rows) in enumerate(zip(self.layer.units, self.plan.rows)):
+            if rows is not None and len(rows) == 1 and self.segments is not None:
+                self.plan.rows[pos] = tuple(rows) * n  # the packed row's action, per segment
+            elif rows is not None and len(rows) != n:
+                raise HiLoReError(f"per-sequence plan of {unit.name} has {len(rows)} entries, but "
+                                  f"this microbatch has {n} sequences; set_plan(rows=...) "
+                                  "must give one action per sequence of the next microbatch.")
+
     # ------------------------------------------------------------------ forward
     def run(self):
         """The layer's forward under capture."""
+        self._check_rows()
         self.rng = RngState(self.device)
         self.autocast = autocast_state(self.device.type)
         self.autocast_cache = torch.is_autocast_cache_enabled()
@@ -446,7 +469,7 @@ class LayerFrame:
         stored = self.new_stored(pos, t, self.ctx.counters)
         unit.by_ptr[ptr] = stored  # an address reused after free gets a new entry
         unit.stored.append(stored)
-        rows = self.plan.rows[pos] or (self.plan.actions[pos],) * self.batch
+        rows = self.plan.rows[pos] or (self.plan.actions[pos],) * self.sequences
         for action in ("E", "L"):
             selected = [i for i, a in enumerate(rows) if a == action]
             if selected and (action == "E" or stored.packable):
@@ -456,13 +479,20 @@ class LayerFrame:
     def new_stored(self, pos: int, t: torch.Tensor, counters) -> Stored:
         """How unit ``pos`` keeps the saved tensor ``t`` (whole; per sequence if sliceable;
         packable or not), before any sequence is packed or elided."""
-        block = row_block(t, self.batch, self.seq_len) if self.sliceable else None
-        group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
+        if self.segments is not None:  # token ranges of a packed row (storage.segment_spans)
+            block = segment_spans(t, self.segments, self.seq_len) if self.sliceable else None
+            tok = block[-1][1] // self.seq_len if block else None  # elements per token
+            group = t.shape[-1] if block and t.shape[-1] and tok % t.shape[-1] == 0 else tok
+            smallest = min((b - a for a, b in block), default=0) if block else None
+        else:
+            block = row_block(t, self.batch, self.seq_len) if self.sliceable else None
+            group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
+            smallest = block
         packable = (block is not None and t.dtype in FLOAT_DTYPES
                     and t.untyped_storage().data_ptr() not in self.boundary
-                    and block >= self.ctx.min_pack_numel and self.ctx.codec is not None
+                    and smallest >= self.ctx.min_pack_numel and self.ctx.codec is not None
                     and group >= MIN_PACK_GROUP)
-        return Stored(t, self.batch, block, group or 1, self.ctx.codec, packable, counters,
+        return Stored(t, self.sequences, block, group or 1, self.ctx.codec, packable, counters,
                       (weakref.ref(self), pos))
 
     # ------------------------------------------------------------------ after forward
@@ -481,7 +511,7 @@ class LayerFrame:
             if not self.plan.needs_fast_forward(pos):
                 self._drop_fast_forward(pos)
             return
-        rows = list(range(self.batch)) if rows is None else list(rows)
+        rows = list(range(self.sequences)) if rows is None else list(rows)
         for stored in unit.stored:
             if action == "E" or stored.packable:
                 stored.set_rows(rows, action)

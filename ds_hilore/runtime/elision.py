@@ -49,8 +49,16 @@ class Elision:
             return
         collective = self.runtime.collective
         abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
-        zero = exposure.zero_rows(abs_omega)
-        all_zero = len(zero) == abs_omega.shape[0] and all(f.elision_ok for f in frames)
+        segments = mb.segments if abs_omega.shape[0] == 1 else None  # NOTE [ Packed sequences ]
+        if segments is not None:
+            zero = exposure.zero_segments(abs_omega, segments)
+            every = len(segments)
+            if len(zero) < every and not all(f.segments_independent for f in frames):
+                zero = _trailing(zero, every)  # segments see earlier ones: only a zero tail
+        else:
+            zero = exposure.zero_rows(abs_omega)
+            every = abs_omega.shape[0]
+        all_zero = len(zero) == every and all(f.elision_ok for f in frames)
         if source == "analytic" and collective is not None:  # every rank must agree
             all_zero = collective.all_reduce_max([0 if all_zero else 1])[0] == 0
         mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
@@ -60,18 +68,28 @@ class Elision:
             # whether it takes part in the collective decision there
             frame.elision_checked = frame.elision_ok and (
                 frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
-            unverified_rows_to_r(frame, set(zero) if frame.elision_ok else set())
-            frame.elided_rows = set(zero) if frame.elision_checked else set()
+            if frame.segments != segments:  # a call without the microbatch's segments
+                frame.elision_checked = frame.elision_checked and all_zero and frame.sequences == 1
+                unverified_rows_to_r(frame, {0} if frame.elision_checked else set())
+                frame.elided_rows = {0} if frame.elision_checked else set()
+                rows_zero = sorted(frame.elided_rows)
+            else:
+                unverified_rows_to_r(frame, set(zero) if frame.elision_ok else set())
+                frame.elided_rows = set(zero) if frame.elision_checked else set()
+                rows_zero = zero
             for pos, unit in enumerate(frame.layer.units):
                 if frame.plan.actions[pos] == "R":
                     continue
-                if zero and frame.elision_checked:
-                    frame.downgrade(pos, "E", zero)
+                if rows_zero and frame.elision_checked:
+                    frame.downgrade(pos, "E", rows_zero)
                 norms = frame.units[pos].token_norms
                 if norms is not None and norms.shape == abs_omega.shape:
                     covered = exposure.window(abs_omega, coefficients.shape[1], offset)
                     weights = exposure.token_weights(norms, covered)
-                    mb.exposure[unit.name] = exposure.slice_exposure(abs_omega, weights)
+                    mb.exposure[unit.name] = (
+                        exposure.segment_exposure(abs_omega, weights, segments)
+                        if segments is not None and frame.segments == segments
+                        else exposure.slice_exposure(abs_omega, weights))
         if self.runtime.policy is not None:  # the allocator spends the risk budget now
             self.runtime.policy.after_coefficients(mb)
         self.runtime._summarise(mb)
@@ -97,7 +115,7 @@ class Elision:
         if frame is None or not frame.elided_rows or grad.dim() < 2:
             return
         rows = sorted(frame.elided_rows)
-        leak = grad.detach()[rows].abs().amax() > 0  # () bool on the device
+        leak = _at(grad.detach(), frame, rows).abs().amax() > 0  # () bool on the device
         if frame.check_every_layer:  # transformers records hidden states: read it here
             if self._decide(bool(leak), collective=False):
                 self._fall_back([frame])
@@ -109,7 +127,8 @@ class Elision:
         if not frames or grad.dim() < 2:
             return
         rows = sorted(set().union(*(f.elided_rows for f in frames)))
-        leaks = bool(rows) and bool(grad.detach()[rows].abs().amax() > 0)  # the one read
+        packed = next((f for f in frames if f.segments is not None), frames[0])
+        leaks = bool(rows) and bool(_at(grad.detach(), packed, rows).abs().amax() > 0)  # the one read
         if self._decide(leaks, collective=True):
             self._fall_back(frames)
         elif any(f.elided_rows for f in frames):
@@ -144,6 +163,26 @@ class Elision:
                 "record); their activations had been elided, so this backward's gradients are "
                 "wrong and the step must not be taken. Compute that loss from "
                 "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss.")
+
+
+def _trailing(zero: list[int], count: int) -> list[int]:
+    """The zero segments after the last non-zero one (nothing later reads them)."""
+    zero_set, start = set(zero), count
+    while start > 0 and start - 1 in zero_set:
+        start -= 1
+    return list(range(start, count))
+
+
+def _at(grad: torch.Tensor, frame, rows: list[int]) -> torch.Tensor:
+    """The gradient at sequences ``rows`` of the frame's call: rows of the batch, or the token
+    ranges of a packed row's segments (the whole gradient when its layout does not show them:
+    any gradient then counts as reaching them)."""
+    if frame.segments is None:
+        return grad[rows]
+    if grad.dim() < 2 or grad.shape[0] != 1 or grad.shape[1] != frame.seq_len:
+        return grad
+    tokens = [t for i in rows for t in range(*frame.segments[i])]
+    return grad[:, tokens]
 
 
 def unverified_rows_to_r(frame, zero: set[int]) -> None:

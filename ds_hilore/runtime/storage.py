@@ -32,6 +32,8 @@ MIN_PACK_GROUP = 16
 # value (sqrt, division, negative powers) would turn 0 / 0 into NaN, and 0 · NaN stays NaN.
 # Integer and bool tensors get 0 (always a valid index). Whole-microbatch elision skips the
 # recompute only when every rank agrees, or ZeRO-3's collectives would diverge.
+# The segments of a packed row are not rows: attention can mix them, so a zero segment is
+# elided only where nothing reads it (NOTE [ Packed sequences ] in core.py).
 
 
 def stand_in_value(dtype: torch.dtype):
@@ -126,22 +128,28 @@ class PackedRows:
 
 
 class Stored:
-    """One activation storage kept by a unit: whole, or as per-sequence row blocks.
+    """One activation storage kept by a unit: whole, or as per-sequence blocks.
 
     Whole: the tensors saved by forward are referenced as they are (bitwise exact, no copy).
-    Rows: ``parts[i]`` is a tensor copy (H), a ``PackedRows`` shared by a run of sequences (L),
-    or None (E: a stand-in).
+    Blocks: ``parts[i]`` is a tensor copy (H), a ``PackedRows`` shared by a run of sequences
+    (L), or None (E: a stand-in). Sequence ``i`` is the element range ``spans[i]`` of the
+    storage: row blocks of ``block`` elements each for a batch-major storage (NOTE
+    [ Batch-first ]), or the token ranges of the segments of a packed row (``block`` given as
+    the tuple of spans; NOTE [ Packed sequences ] in core.py).
     """
 
-    __slots__ = ("base", "rows", "block", "group", "parts", "pending", "slots", "buffer", "nbytes",
-                 "dtype", "device", "codec", "packable", "weak", "counters", "owner")
+    __slots__ = ("base", "rows", "block", "spans", "group", "parts", "pending", "slots", "buffer",
+                 "nbytes", "dtype", "device", "codec", "packable", "weak", "counters", "owner")
 
-    def __init__(self, t: torch.Tensor, rows: int, block: int | None, group: int, codec,
+    def __init__(self, t: torch.Tensor, rows: int, block: "int | tuple | None", group: int, codec,
                  packable: bool, counters: "Counters", owner: tuple | None = None):
         self.packable, self.counters = packable, counters
         self.owner = owner  # (weak ref of the frame, unit position): who falls back to R
         self.base = t.detach().as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
         self.rows, self.block, self.group, self.codec = rows, block, group, codec
+        # (start, stop) elements of every sequence in the storage; None: kept whole
+        self.spans = (None if block is None else tuple(block) if isinstance(block, tuple)
+                      else tuple((i * block, (i + 1) * block) for i in range(rows)))
         self.parts: list | None = None
         self.pending = 0
         self.slots: list = []  # weak refs of the slots holding a whole reference
@@ -152,7 +160,11 @@ class Stored:
 
     @property
     def sliceable(self) -> bool:
-        return self.block is not None
+        return self.spans is not None
+
+    def _range(self, start: int, stop: int) -> tuple[int, int]:
+        """Elements of sequences ``start .. stop - 1`` (consecutive) in the storage."""
+        return self.spans[start][0], self.spans[stop - 1][1]
 
     def attach(self, slot: Slot, t: torch.Tensor) -> None:
         self.pending += 1
@@ -178,11 +190,12 @@ class Stored:
             return
         target = sorted(set(rows))
         if self.parts is None:  # split: sequences that stay H are copied out, the rest packed
-            blocks = self.base.view(self.rows, self.block)  # (B, block)
-            parts = [None if i in target else blocks[i].clone() for i in range(self.rows)]
+            base = self.base
+            parts = [None if i in target else base[a:b].clone() for i, (a, b) in enumerate(self.spans)]
             if action == "L":
                 for start, stop in _runs(target):
-                    self._pack_run(blocks[start:stop], start, parts)
+                    a, b = self._range(start, stop)
+                    self._pack_run(base[a:b], start, stop, parts)
             for ref in self.slots:
                 slot = ref()
                 if slot is not None:
@@ -201,13 +214,14 @@ class Stored:
             return
         for i in target:
             if action == "L" and isinstance(self.parts[i], torch.Tensor):
-                self._pack_run(self.parts[i].view(1, -1), i, self.parts)
+                self._pack_run(self.parts[i], i, i + 1, self.parts)
 
     def _sub_run(self, run: PackedRows, start: int, stop: int) -> PackedRows:
         """Sequences start .. stop - 1 of ``run`` as a run of their own (rows copied, not re-coded:
         per-token and per-block scales keep every row independent)."""
-        per_seq = run.packed.shape[0] // (run.stop - run.start)  # packed rows per sequence
-        lo, hi = (start - run.start) * per_seq, (stop - run.start) * per_seq
+        first = self.spans[run.start][0]  # packed rows hold ``group`` elements each
+        a, b = self._range(start, stop)
+        lo, hi = (a - first) // self.group, (b - first) // self.group
         payload, scales = run.packed.payload[lo:hi].clone(), run.packed.scales[lo:hi].clone()
         stats = run.packed.stats.clone()  # the whole run's error: an upper estimate, for stats
         packed = dataclasses.replace(run.packed, payload=payload, scales=scales, stats=stats,
@@ -216,14 +230,14 @@ class Stored:
                                                 for x in (payload, scales, stats)))
         return PackedRows(packed, start, stop)
 
-    def _pack_run(self, rows: torch.Tensor, start: int, parts: list) -> None:
-        """Pack sequences ``start ..`` (rows: (n, block), contiguous) into ``parts``; whether
+    def _pack_run(self, rows: torch.Tensor, start: int, stop: int, parts: list) -> None:
+        """Pack sequences ``start .. stop - 1`` (rows: their elements, contiguous) into ``parts``; whether
         they were finite is checked later, with every other check of the microbatch (NOTE
         [ One read per microbatch ]): a non-finite run sends its unit to R."""
         with self.counters.timed("pack_s", rows.device):
             packed = self.codec.pack_async(rows.view(-1, self.group))  # (tokens, features)
-        run = PackedRows(packed, start, start + rows.shape[0])
-        parts[start:run.stop] = [run] * rows.shape[0]
+        run = PackedRows(packed, start, stop)
+        parts[start:stop] = [run] * (stop - start)
         self.counters.packed_stats.append(packed.stats)
         if self.owner is not None:
             self.counters.checks.append((packed.stats, *self.owner, "nonfinite"))
@@ -237,16 +251,16 @@ class Stored:
         return self.buffer.as_strided(*spec)
 
     def _decode(self) -> torch.Tensor:
-        buffer = torch.empty(self.rows * self.block, dtype=self.dtype, device=self.device)
-        blocks = buffer.view(self.rows, self.block)  # (B, block)
+        buffer = torch.empty(self.spans[-1][1], dtype=self.dtype, device=self.device)
         for run in {id(p): p for p in self.parts if isinstance(p, PackedRows)}.values():
             # each run decoded once, straight into place
-            self.codec.unpack(run.packed, out=blocks[run.start:run.stop].view(-1, self.group))
-        for i, part in enumerate(self.parts):
+            a, b = self._range(run.start, run.stop)
+            self.codec.unpack(run.packed, out=buffer[a:b].view(-1, self.group))
+        for (a, b), part in zip(self.spans, self.parts):
             if part is None:
-                blocks[i].fill_(stand_in_value(self.dtype))
+                buffer[a:b].fill_(stand_in_value(self.dtype))
             elif isinstance(part, torch.Tensor):
-                blocks[i].copy_(part)
+                buffer[a:b].copy_(part)
         return buffer
 
     def bytes_by_action(self) -> dict[str, int]:
@@ -325,3 +339,40 @@ def _batch_first(t: torch.Tensor, batch: int, seq_len: int) -> bool:
     sizes = getattr(node, "_saved_self_sym_sizes", None) \
         if node is not None and type(node).__name__ in _RESHAPES else None
     return sizes is not None and len(sizes) >= 2 and sizes[0] == batch and seq_len in sizes[1:]
+
+
+def segment_spans(t: torch.Tensor, segments, seq_len: int) -> tuple | None:
+    """(start, stop) elements of every segment of a packed row in ``t``'s storage, or None.
+
+    A packed microbatch is one row of T tokens holding several sequences (segments: token
+    ranges; NOTE [ Packed sequences ] in core.py). Only a storage proven token-major is split:
+    ``t`` contiguous and the whole storage, shaped (1, T, ...), or (T, ...) flattened from a
+    recorded (1, T, ...) (the 2-D input of a linear layer); T must appear nowhere else in the
+    shape, or a (1, heads, T, d) layout with heads == T could pass for (1, T, ...). Segment
+    [s, e) is then the element range [s * tok, e * tok), tok = elements per token. Anything
+    else (attention scores, masks, head-major layouts, views into larger storages) is kept
+    whole: exact.
+    """
+    if t.dim() < 2 or seq_len < 2 or not t.is_contiguous() or t.storage_offset() != 0 \
+            or t.numel() * t.element_size() != t.untyped_storage().nbytes():
+        return None
+    shape = tuple(t.shape)
+    if shape[0] == 1 and shape[1] == seq_len and seq_len not in shape[2:]:
+        pass
+    elif shape[0] == seq_len and seq_len not in shape[1:]:
+        base = t._base
+        sizes = tuple(base.shape) if base is not None else None
+        if sizes is None and t.grad_fn is not None and type(t.grad_fn).__name__ in _RESHAPES:
+            sizes = getattr(t.grad_fn, "_saved_self_sym_sizes", None)
+            sizes = tuple(int(x) for x in sizes) if sizes is not None else None
+        if sizes is None or len(sizes) < 2 or sizes[0] != 1 or sizes[1] != seq_len \
+                or seq_len in sizes[2:]:
+            return None
+        if base is not None and (base.numel() != t.numel() or not base.is_contiguous()):
+            return None
+    else:
+        return None
+    tok = t.numel() // seq_len
+    if tok * seq_len != t.numel() or segments[-1][1] != seq_len:
+        return None
+    return tuple((s * tok, e * tok) for s, e in segments)
