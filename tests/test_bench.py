@@ -133,3 +133,20 @@ def test_ds_ac_with_a_one_rank_group(tmp_path):
     row = _runs(report, "ds_ac")[0]
     assert row["skipped"] is None and row["grad_err"]["max"] == 0.0
     assert row["activation_peak_bytes"] <= _runs(report, "nogc")[0]["activation_peak_bytes"]
+
+
+def test_local_checkpoint_directory(tmp_path):
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "local.json"
+    argv = ["bench", "--model", str(tmp_path / "ckpt"), "--layers", "1", "--seq-len", "16",
+            "--micro-batch", "2", "--repeats", "1", "--methods", "nogc,gc,hilore_all_r",
+            "--budgets", "1.2", "--threads", "1", "--codec-backend", "eager", "--json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["layers_built"] == 1
+    assert {r["method"] for r in report["runs"]} == {"nogc", "gc", "hilore_all_r"}
+    assert _runs(report, "hilore_all_r")[0]["grad_err"]["max"] == 0.0
