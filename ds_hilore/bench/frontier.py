@@ -322,8 +322,8 @@ def _close(run: Run) -> None:
     if run.model is not None and run.context is not None:
         try:
             METHODS[run.method].teardown(run.model, run.context)
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as error:  # noqa: BLE001 -- the copy is dropped anyway
+            _progress(f"{run.label}: teardown failed ({_first_line(error)})")
     run.model = run.context = run.optimizer = None
 
 
@@ -369,7 +369,7 @@ def run_bench(config: dict[str, Any]) -> dict[str, Any]:
     """Everything the bench measures, as the JSON document (see the module docstring)."""
     device = config["device"]
     _progress(f"building {config['model']} ({config['dtype']}, {device}, "
-              f"{'full fine-tuning' if config['full'] else 'LoRA r=%d' % config['lora_r']})")
+              f"{'full fine-tuning' if config['full'] else 'LoRA r=' + str(config['lora_r'])})")
     base = build_model(config)
     layers = _lm(base).get_decoder().layers
     config["layers_n"] = len(layers)
@@ -613,8 +613,10 @@ def table(report) -> str:
         lines.append(f"runtime efficiency: {forced} runs at {ratio:.2f}x the throughput of {ref}")
     pairs = overlaps(report)
     if pairs:
-        lines.append("min-max throughput ranges overlap (not distinguishable at this repeat "
-                     "count): " + ", ".join(f"{a} ~ {b}" for a, b in pairs))
+        near = [f"{a} ~ {b}" for a, b in pairs if {a, b} & {"gc", "nogc"}]
+        lines.append(f"min-max throughput ranges overlap for {len(pairs)} pairs of runs (not "
+                     "distinguishable at this repeat count; all in the JSON's \"overlaps\")"
+                     + (": with gc / nogc: " + ", ".join(near) if near else ""))
     lines.append("tok/s: tokens per second of the whole update (fwd + loss + bwd + AdamW); peak: "
                  "whole process, act: above the step's start; fits: peak <= budget x GC peak; grad "
                  "err: ||g - g_nogc|| / ||g_nogc||; gap: (t_gc - t) / (t_gc - t_nogc); recomp GF: "
