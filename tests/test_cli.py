@@ -234,7 +234,7 @@ def test_config_check_of_a_config_without_the_block(tmp_path, capsys):
 def test_every_subcommand_has_help():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"demo", "grpo-demo", "units", "profile", "config"}
+    assert set(sub.choices) == {"demo", "grpo-demo", "units", "profile", "bench", "config"}
     for name, action in sub.choices.items():
         assert action.description, name
         assert next(a for a in sub._choices_actions if a.dest == name).help, name
