@@ -627,7 +627,16 @@ def test_leave_one_out_drops_exactly_the_layers_that_do_not_pay():
     for variant in order:
         loo.record(variant, seconds[variant])
     assert loo.utilities() == pytest.approx({0: 0.2, 1: 0.0, 2: -0.1})
-    assert loo.dropped() == {1, 2}
+    assert loo.dropped() == {1, 2}  # timings without spread: "not positive" as it stands
+    noisy = LeaveOneOut([0, 1], repeats=2)
+    for variant, seconds in zip([noisy.next_variant() for _ in range(6)],
+                                [1.0, 1.3, 0.9, 1.2, 1.3, 0.9]):  # None, 0, 1, None, 0, 1
+        noisy.record(variant, seconds)
+    assert noisy.utilities() == pytest.approx({0: 0.2, 1: -0.2})
+    assert noisy.noise(1) == pytest.approx(0.05)  # half the mean range of (0.2, 0.0)
+    assert noisy.dropped() == {1}  # -0.2 + 0.05 is not positive: shown not to pay
+    noisy.times[None] = [0.6, 1.6]  # same median, wider spread: -0.2 + 0.25 > 0, within the noise
+    assert noisy.dropped() == set()
     flat = loo.flat()
     loo.set_flat([x + 1 for x in flat])  # what an all-reduce hands back keeps the structure
     assert loo.utilities() == pytest.approx({0: 0.2, 1: 0.0, 2: -0.1})
@@ -651,6 +660,7 @@ def test_leave_one_out_runs_each_variant_then_recomputes_what_does_not_pay(monke
     # the measured timings decide; here they are made to say "the last kept layer saves nothing"
     monkeypatch.setattr(LeaveOneOut, "utilities", lambda self: {
         v: (-0.01 if v == kept[-1] else 0.01) for v in self.times if v is not None})
+    monkeypatch.setattr(LeaveOneOut, "noise", lambda self, layer: 0.0)
     expected = [{n: ("R" if layer[n] == v else a) for n, a in plan.items()} for v in kept]
     for k, want in enumerate(expected):  # the plan ran first; then each variant
         _, got, ref_grads = _step(runtime, model, ref, first + k)

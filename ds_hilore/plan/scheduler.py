@@ -285,10 +285,13 @@ class Scheduler:
         loo.record(variant, self._now() - begin)
 
     def _now(self) -> float:
+        """Leave-one-out's clock: CUDA wall time after a sync; on CPU the process's CPU time
+        (NOTE [ Leave-one-out ])."""
         device = self._device()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter()
+            return time.perf_counter()
+        return time.process_time()
 
     def _fit_risk(self, mb, bucket: Bucket) -> tuple[float, list[str]]:
         """Estimated error of this microbatch, and the packed units sent to R (riskiest first)
