@@ -621,25 +621,25 @@ def test_state_dict_resumes_without_profiling(run_16):
 # ---- leave-one-out (NOTE [ Leave-one-out ]) --------------------------------------------------
 def test_leave_one_out_drops_exactly_the_layers_that_do_not_pay():
     loo = LeaveOneOut([0, 1, 2], repeats=2)
-    order = [loo.next_variant() for _ in range(8)]
-    assert order == [None, 0, 1, 2, None, 0, 1, 2] and loo.done  # interleaved
-    seconds = {None: 1.0, 0: 1.2, 1: 1.0, 2: 0.9}  # layer 0 saves 0.2 s; 1 nothing; 2 loses
-    for variant in order:
+    order = [loo.next_variant() for _ in range(9)]
+    assert order == [LeaveOneOut.WARM_UP, None, 0, 1, 2, None, 0, 1, 2] and loo.done  # interleaved
+    seconds = {LeaveOneOut.WARM_UP: 5.0, None: 1.0, 0: 1.2, 1: 1.0, 2: 0.9}
+    for variant in order:  # layer 0 saves 0.2 s; 1 nothing; 2 loses; the warm-up is not timed
         loo.record(variant, seconds[variant])
     assert loo.utilities() == pytest.approx({0: 0.2, 1: 0.0, 2: -0.1})
     assert loo.dropped() == {1, 2}  # timings without spread: "not positive" as it stands
-    noisy = LeaveOneOut([0, 1], repeats=2)
-    for variant, seconds in zip([noisy.next_variant() for _ in range(6)],
-                                [1.0, 1.3, 0.9, 1.2, 1.3, 0.9]):  # None, 0, 1, None, 0, 1
-        noisy.record(variant, seconds)
-    assert noisy.utilities() == pytest.approx({0: 0.2, 1: -0.2})
-    assert noisy.noise(1) == pytest.approx(0.05)  # half the mean range of (0.2, 0.0)
-    assert noisy.dropped() == {1}  # -0.2 + 0.05 is not positive: shown not to pay
-    noisy.times[None] = [0.6, 1.6]  # same median, wider spread: -0.2 + 0.25 > 0, within the noise
-    assert noisy.dropped() == set()
     flat = loo.flat()
     loo.set_flat([x + 1 for x in flat])  # what an all-reduce hands back keeps the structure
     assert loo.utilities() == pytest.approx({0: 0.2, 1: 0.0, 2: -0.1})
+    noisy = LeaveOneOut([0, 1], repeats=2)
+    for variant, s in zip([noisy.next_variant() for _ in range(7)],
+                          [9.9, 1.0, 1.3, 0.9, 1.2, 1.3, 0.9]):  # warm-up, None, 0, 1, None, 0, 1
+        noisy.record(variant, s)
+    assert noisy.utilities() == pytest.approx({0: 0.3, 1: -0.1})  # fastest without - with
+    assert noisy.noise(1) == pytest.approx(0.05)  # half the mean range of (0.2, 0.0)
+    assert noisy.dropped() == {1}  # -0.1 + 0.05 is not positive: shown not to pay
+    noisy.times[None] = [0.95, 1.6]  # a wider spread: -0.05 + 0.1625 > 0, within the noise
+    assert noisy.dropped() == set()
 
 
 def test_leave_one_out_runs_each_variant_then_recomputes_what_does_not_pay(monkeypatch):
@@ -650,10 +650,12 @@ def test_leave_one_out_runs_each_variant_then_recomputes_what_does_not_pay(monke
     for step in range(PROFILED):  # profiled, all R
         _step(runtime, model, ref, step)
     assert runtime.policy.buckets[BUCKET].plan is None  # built at the first planned forward,
-    _step(runtime, model, ref, PROFILED)  # which runs the plan itself (leave-one-out's first)
+    _step(runtime, model, ref, PROFILED)  # which runs the plan untimed (leave-one-out's warm-up)
     plan = runtime.policy.buckets[BUCKET].plan.actions
     layer = {c.name: c.layer for c in runtime.policy.buckets[BUCKET].profile.units}
-    first = PROFILED + 1
+    _step(runtime, model, ref, PROFILED + 1)  # the plan, timed
+    assert {u.name: u.action for u in runtime.units} == plan
+    first = PROFILED + 2
     kept = sorted({layer[n] for n, a in plan.items() if a != "R"})
     if not kept:
         pytest.skip("no unit's measured utility was positive on this machine now: nothing to validate")

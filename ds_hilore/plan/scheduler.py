@@ -97,7 +97,7 @@ class Scheduler:
             self._open_meter()
         elif bucket.loo is not None:  # NOTE [ Leave-one-out ]: the plan, or it minus one layer
             variant = bucket.loo.next_variant()
-            self._apply(bucket, recompute_layer=variant)
+            self._apply(bucket, recompute_layer=None if variant == LeaveOneOut.WARM_UP else variant)
             self.timing = (bucket.loo, variant, self._now())
         else:
             self._apply(bucket)

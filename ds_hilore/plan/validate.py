@@ -4,44 +4,49 @@ NOTE [ Leave-one-out ]
 Profiled utilities are measured unit by unit and assumed to add up. Under joint execution they
 need not: recomputations overlap, a fast-forward changes what a re-run costs, the allocator and
 the caches react to what is kept. When a bucket's plan is first built, its next microbatches
-run the plan itself and, for every layer the plan does not recompute, the plan with that layer
-recomputed instead, interleaved, ``repeats`` times each (forward and backward timed, the
-optimizer step not). A layer whose leave-one-out utility -- median time without its option
-minus median time with the plan -- is not positive gains nothing in practice: it is
-recomputed from then on and the knapsack runs again without it. Timings are the max over ranks.
+run the plan once untimed (a new plan's first run pays allocations), then the plan itself and,
+for every layer the plan does not recompute, the plan with that layer recomputed instead,
+interleaved so that drift hits every variant alike, ``repeats`` times each (forward and
+backward timed, the optimizer step not). A layer's leave-one-out utility is the fastest time
+without its option minus the fastest with the plan (delays from other work only ever add, so
+the minimum is the steadiest estimate). A layer whose utility is not positive gains nothing in
+practice: it is recomputed from then on and the knapsack runs again without it. Timings are the
+max over ranks.
 
 On a shared machine two runs of the same microbatch differ by more than one layer's recompute,
 so "not positive" is read against the measurement's own spread: a layer is dropped only when its
-utility plus the half-range of its timings (the plan's and its variant's) is not positive, i.e.
-when it is shown not to pay; otherwise the profile's verdict stands. On a CPU the timings are the
-process's CPU time, which other tenants' load moves much less than the wall clock.
+utility plus half the mean range of its timings (the plan's and its variant's) is not positive,
+i.e. when it is shown not to pay; otherwise the profile's verdict stands. On a CPU the timings
+are the process's CPU time, which other tenants' load moves much less than the wall clock.
 Pure bookkeeping: the scheduler runs the variants and reads the decision.
 """
 
 from __future__ import annotations
 
-import statistics
-
 
 class LeaveOneOut:
     """The variants still to run and their timings (``None`` = the plan itself)."""
 
+    WARM_UP = "warm-up"  # the plan, untimed
+
     def __init__(self, layers: list[int], repeats: int):
         variants: list[int | None] = [None, *layers]
-        self.queue = [v for _ in range(repeats) for v in variants]  # interleaved: drift hits all
+        self.queue: list = [self.WARM_UP, *(v for _ in range(repeats) for v in variants)]
         self.times: dict[int | None, list[float]] = {v: [] for v in variants}
-        self.current: int | None = None
+        self.current = None
 
     @property
     def done(self) -> bool:
         return not self.queue
 
-    def next_variant(self) -> int | None:
+    def next_variant(self):
+        """The next variant to run: ``WARM_UP``, ``None`` (the plan) or a layer to recompute."""
         self.current = self.queue.pop(0)
         return self.current
 
-    def record(self, variant: int | None, seconds: float) -> None:
-        self.times[variant].append(seconds)
+    def record(self, variant, seconds: float) -> None:
+        if variant != self.WARM_UP:
+            self.times[variant].append(seconds)
 
     def flat(self) -> list[float]:
         return [t for v in self.times for t in self.times[v]]
@@ -51,16 +56,15 @@ class LeaveOneOut:
         self.times = {v: [next(it) for _ in ts] for v, ts in self.times.items()}
 
     def utilities(self) -> dict[int, float]:
-        """Seconds each layer's option saves under joint execution (median without - with)."""
+        """Seconds each layer's option saves under joint execution (fastest without - with)."""
         base = self.times[None]
         if not base:
             return {}
-        with_plan = statistics.median(base)
-        return {v: statistics.median(ts) - with_plan for v, ts in self.times.items()
-                if v is not None and ts}
+        with_plan = min(base)
+        return {v: min(ts) - with_plan for v, ts in self.times.items() if v is not None and ts}
 
     def noise(self, layer: int) -> float:
-        """Half the range of the plan's and the layer variant's timings (seconds)."""
+        """Half the mean range of the plan's and the layer variant's timings (seconds)."""
         spread = [max(ts) - min(ts) for ts in (self.times[None], self.times[layer]) if ts]
         return sum(spread) / (2 * len(spread)) if spread else 0.0
 
