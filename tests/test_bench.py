@@ -58,7 +58,11 @@ def test_schema_and_every_method(bench):
     assert all(len(pair) == 2 for pair in report["overlaps"])
     offload = _runs(report, "offload")[0]
     assert "CPU" in offload["skipped"]  # meaningless on a CPU device
-    assert "--ds-init" in _runs(report, "ds_ac")[0]["skipped"]  # no DeepSpeed group here
+    ds_ac = _runs(report, "ds_ac")[0]
+    if ds_ac["skipped"]:  # no DeepSpeed group in this process
+        assert "--ds-init" in ds_ac["skipped"]
+    else:  # an earlier test of this process started one: ds_ac ran, and it is exact
+        assert ds_ac["grad_err"]["max"] == 0.0
     for name in ("nogc", "gc", "sac", "block_h", "all_l", "static", "hr", "hilore"):
         assert not _runs(report, name)[0]["skipped"], name
 

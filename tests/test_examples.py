@@ -17,7 +17,8 @@ def test_grpo_minimal_trains_with_the_zero2_hilore_config():
     for r in ranks:
         assert len(r["losses"]) == 2 * 2 and all(math.isfinite(x) for x in r["losses"])
         stats = r["stats"]
-        # all R; the first micro-step is one group with identical rewards (A = 0) on every rank:
-        # elided whole, nothing recomputed; the second recomputes its 2 layers x 2 units
-        assert stats["actions"]["R"] == 2 * 4
-        assert stats["recomputed_units"] == 4
+        # the allocator decides: 3 profiled microbatches (all R, as GC), then the plan; the last
+        # step's 2 micro-steps report 2 layers x 2 units each
+        assert sum(stats["actions"].values()) == 2 * 4
+        assert stats["budget_bytes"] > 0 and stats["plans"]  # planned within a measured budget
+        assert stats["peak_bytes"] is None or stats["peak_bytes"] > 0
