@@ -122,9 +122,7 @@ def test_bad_flags_exit_2(capsys, flags, words):
         assert word in err, (word, err)
 
 
-@pytest.mark.skipif(not os.environ.get("HILORE_BENCH_DS_AC"), reason=(
-    "set HILORE_BENCH_DS_AC=1: starts a one-rank DeepSpeed group, whose CPU comm op DeepSpeed "
-    "builds first (minutes)"))
+@pytest.mark.slow  # DeepSpeed builds its CPU comm op on first use (a minute or two, once)
 def test_ds_ac_with_a_one_rank_group(tmp_path):
     out = tmp_path / "ds.json"
     proc = subprocess.run(

@@ -58,7 +58,7 @@ class MatchedPasses:
         self.running = False
         self.job: _Job | None = None
         self.seconds = 0.0  # what the passes cost so far
-        self._warned = False
+        self._zero3: bool | None = None  # parameters partitioned by ZeRO-3
         self._validated_step = -1
         self.hold_out = False  # the next planned microbatch is held out for a ranking check
         self.ranking: dict | None = None  # the last ranking check (see ``rank_slices``)
@@ -99,14 +99,14 @@ class MatchedPasses:
                 job.executed[unit.name] = (action, states)
 
     def _supported(self) -> bool:
-        params = [p for layer in self.scheduler.runtime._layers for p in layer.module.parameters()]
-        if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 partitioned parameters
-            if not self._warned:
+        """False under ZeRO-3 (partitioned parameters); decided once, not per microbatch."""
+        if self._zero3 is None:
+            layers = self.scheduler.runtime._layers
+            self._zero3 = any(hasattr(p, "ds_id") for layer in layers for p in layer.module.parameters())
+            if self._zero3:
                 logger.info("ds_hilore: matched passes (calibration, validation) are skipped under "
                             "ZeRO-3; the risk model keeps its prior.")
-                self._warned = True
-            return False
-        return True
+        return not self._zero3
 
     # ------------------------------------------------------------------ at the step
     def run(self) -> None:

@@ -93,8 +93,8 @@ class _Sample:
     """One profiled microbatch: what the runtime reports while it runs (duck-typed
     ``mb.profile``, see ``LayerFrame``)."""
 
-    def __init__(self, units, codec, device: torch.device):
-        self.codec, self.device = codec, device
+    def __init__(self, units, device: torch.device):
+        self.device = device
         self.costs = {u.name: UnitCost(u.name, u.kind, -1, u.pos) for u in units}
         self._layer_of = {u.name: u.layer_index for u in units}
         self._seen: set[tuple[int, int, int]] = set()  # (frame, unit, storage) counted once
@@ -183,8 +183,8 @@ class Profiler:
     def done(self) -> bool:
         return len(self.samples) >= self.repeats
 
-    def sample(self, units, codec, device: torch.device) -> _Sample:
-        return _Sample(units, codec, device)
+    def sample(self, units, device: torch.device) -> _Sample:
+        return _Sample(units, device)
 
     def add(self, sample: _Sample, layer_positions: dict[int, int], peak: int | None, baseline: int) -> None:
         self.samples.append(sample.finish(layer_positions))

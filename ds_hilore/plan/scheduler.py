@@ -61,7 +61,6 @@ class Scheduler:
         self.tighten = 1.0  # validation halves the risk budget when the measured error exceeds it
         self.expected: list[float] | None = None  # predicted exposure per sequence (expect)
         self.bucket: Bucket | None = None  # of the forward in progress
-        self.sample = None  # profiler sample of the forward in progress
         self.meter: bool | None = None  # CUDA's peak counter was reset for a profiled microbatch
         self.baseline = 0
         self.passes = MatchedPasses(self)
@@ -111,9 +110,7 @@ class Scheduler:
         mb.plan_key = self.bucket.key
         mb.timing, self.timing = self.timing, None
         if self.bucket.plan is None:
-            units = self.runtime.units
-            self.sample = self.bucket.profiler.sample(units, self.runtime._codec, self._device())
-            mb.profile = self.sample
+            mb.profile = self.bucket.profiler.sample(self.runtime.units, self._device())
 
     def after_coefficients(self, mb) -> None:
         """ω and exposure are known: spend the risk budget on this update (NOTE [ One microbatch ])."""
