@@ -8,6 +8,7 @@
     hilore profile --model qwen2 --seq-len 512 --micro-batch 8 [--json PATH]
                                               measured cost, utility and susceptibility per unit
     hilore bench --model tiny --budgets 1.05,1.10,1.20 [--json OUT.json --plot OUT.png]
+    hilore bench --report OUT.json [--plot OUT.png]
                                               throughput / memory / gradient-error frontier
     hilore config --check ds_config.json      validate the "hilore" block; exit 2 on error
 """
@@ -241,6 +242,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     from ds_hilore.bench import frontier
 
     try:
+        if args.report:
+            return frontier.show(args.report, args.plot)
         config = frontier.check_args(args)
     except frontier.BenchError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from ds_hilore import cli
+from ds_hilore.bench import targets
 from ds_hilore.bench.methods import METHODS
 
 EXACT = ("nogc", "gc", "sac", "block_h", "hr", "hilore_all_r", "hilore_all_h")
@@ -90,6 +91,8 @@ def test_gradient_errors(bench):
     all_l = _runs(report, "all_l")[0]
     assert 0 < all_l["grad_err"]["max"] < 0.1
     assert all_l["plan_mix"].get("L", 0) > 0
+    assert all_l["held_bytes"]["L"] > 0 and all_l["pack_s"] > 0 and all_l["unpack_s"] > 0
+    assert "L" not in _runs(report, "hr")[0]["held_bytes"]  # H and R only: nothing packed
 
 
 def test_gap_closed_formula(bench):
@@ -106,15 +109,80 @@ def test_gap_closed_formula(bench):
         assert math.isclose(row["gap_closed"], expected, rel_tol=1e-6, abs_tol=1e-9), row["method"]
 
 
+def test_targets_follow_the_rows(bench):
+    """The verdict for hilore is recomputed from the rows it reports on."""
+    report, _ = bench
+    (verdict,) = report["targets"]
+    me, gc = _runs(report, "hilore")[0], _runs(report, "gc")[0]
+    assert verdict["budget"] == me["budget"]
+    assert verdict["peak_ratio"] == pytest.approx(me["peak_bytes"] / report["gc_peak_bytes"])
+    assert verdict["met"]["peak"] == me["within_budget"]
+    assert verdict["grad_err_mean"] == me["grad_err"]["mean"]
+    assert verdict["flops_avoided"] == pytest.approx(
+        1 - me["recomputed_flops"] / gc["recomputed_flops"])
+    assert verdict["gap_closed"] == pytest.approx(me["gap_closed"])
+    fits = {(r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}")
+            for r in report["runs"] if not r["skipped"] and r["method"] != "hilore"
+            and r["peak_bytes"] <= me["budget"] * report["gc_peak_bytes"]
+            and r["grad_err"]["mean"] <= targets.ERROR_TOLERANCE}
+    assert {r["run"] for r in verdict["rivals"]} == fits
+
+
+def test_report_reprints_a_saved_run(bench, capsys, tmp_path):
+    report, out = bench
+    assert cli.main(["bench", "--report", str(out / "b.json"), "--plot", str(tmp_path / "p.png")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("method") and "targets, hilore@1.1: peak" in printed
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def _row(method, budget, tps, cpu, peak, err=0.0, flops=0):
+    step = [1000 / x for x in tps]
+    return {"method": method, "budget": budget, "peak_bytes": peak, "recomputed_flops": flops,
+            "grad_err": {"mean": err, "max": err},
+            "tokens_per_s": {"median": tps[1], "min": tps[0], "max": tps[2]},
+            "step_s": {"median": step[1], "min": step[2], "max": step[0]},
+            "cpu_s": {"median": cpu[1], "min": cpu[0], "max": cpu[2]}}
+
+
+def test_targets_verdicts_on_known_numbers():
+    runs = [_row("nogc", None, (190, 200, 210), (4.6, 4.8, 5.0), 150, flops=0),
+            _row("gc", None, (140, 150, 160), (6.0, 6.2, 6.4), 100, flops=100),
+            _row("sac", None, (150, 170, 185), (5.4, 5.6, 5.8), 105, flops=10),  # ahead
+            _row("all_l", 1.1, (100, 300, 400), (3.0, 3.1, 3.2), 100, err=0.02),  # error: out
+            _row("block_h", 1.1, (170, 180, 200), (5.0, 5.2, 5.4), 108),  # inside the spread
+            _row("hilore", 1.1, (180, 190, 195), (5.0, 5.1, 5.2), 109, err=0.004, flops=30)]
+    (v,) = targets.targets({"gc_peak_bytes": 100, "runs": runs})
+    assert v["met"]["peak"] and v["met"]["grad_err"] and v["met"]["flops_avoided"]
+    assert v["flops_avoided"] == pytest.approx(0.7)
+    assert v["gap_is_real"] and v["gap_closed"] == pytest.approx((1000 / 150 - 1000 / 190)
+                                                                 / (1000 / 150 - 1000 / 200))
+    assert v["gap_closed_cpu"] == pytest.approx((6.2 - 5.1) / (6.2 - 4.8))
+    standing = {r["run"]: (r["wall"], r["cpu"]) for r in v["rivals"]}
+    assert standing == {"gc": ("ahead", "ahead"), "sac": ("ahead", "ahead"),
+                        "block_h@1.1": ("inside_spread", "inside_spread")}  # nogc: 1.5x GC
+    assert v["met"]["ahead_of_rivals"] is False
+    assert "inside the spread of block_h@1.1" in targets.targets_text([v])
+    runs[-1]["peak_bytes"] = 111
+    runs[1]["tokens_per_s"]["min"] = 120  # GC's slowest step below no-GC's fastest: no real gap
+    runs[1]["step_s"]["max"] = 1000 / 120
+    runs[1]["step_s"]["min"] = 1000 / 200
+    (v,) = targets.targets({"gc_peak_bytes": 100, "runs": runs})
+    assert v["met"]["peak"] is False and v["met"]["gap_closed"] is None
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--methods", "nogc,bogus"], ["bogus", "allowed", "hilore", "block_h"]),
     (["--model", "no-such-preset"], ["no-such-preset", "allowed", "qwen2.5-0.5b"]),
     (["--budgets", "1.1,0.9"], ["0.9", ">= 1.0"]),
+    (["--no-model"], ["--model is required", "--report"]),
+    (["--report", "/nonexistent/b.json"], ["--report", "not a readable hilore bench report"]),
 ])
 def test_bad_flags_exit_2(capsys, flags, words):
     argv = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "4"]
-    if "--model" in flags:
+    if "--model" in flags or flags == ["--no-model"]:
         argv = ["bench", "--seq-len", "32", "--micro-batch", "4"]
+        flags = [f for f in flags if f != "--no-model"]
     assert cli.main(argv + flags) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ")

@@ -9,6 +9,10 @@ calibration, leave-one-out) is timed on its own (``profile_s``). Then, in separa
 the peak memory of one step (``PeakMeter``), the gradient at the initial weights against no
 checkpointing on every bench microbatch, and the FLOPs of the backward (``FlopCounterMode``).
 
+Besides the runs, the report carries ``overlaps`` (pairs of runs whose min-max throughput ranges
+overlap), ``efficiency`` (forced all-R vs gc, forced all-H vs nogc) and ``targets`` (HiLoRe's
+verdict per budget, ``ds_hilore.bench.targets``); ``--report`` prints a saved one again.
+
 Memory: ``peak_bytes`` is the whole process (CPU: mallinfo2 + mmap'd, as HiLoRe measures its
 own budget; CUDA: max_memory_allocated) while every run's model copy is alive, so it is the same
 baseline for every run; ``activation_peak_bytes`` is the peak above what was in use at the start
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 
 from ds_hilore.bench.methods import METHODS, Context
+from ds_hilore.bench.targets import targets, targets_text
 from ds_hilore.grpo import group_advantages, policy_loss, token_logprobs
 
 __all__ = ["DEFAULT_METHODS", "PRESETS", "BenchError", "check_args", "parse_budgets", "run_bench"]
@@ -110,6 +115,9 @@ def parse_methods(text: str | None) -> list[str]:
 
 def check_args(args) -> dict[str, Any]:
     """The bench's configuration from parsed arguments; ``BenchError`` on a bad value."""
+    if args.model is None:
+        raise BenchError("--model is required (a preset or a local checkpoint directory), or "
+                         "--report IN.json to print a saved report")
     if args.model not in PRESETS and not os.path.isdir(args.model):
         raise BenchError(f"--model {args.model}: unknown preset and not a directory; allowed: "
                          f"{', '.join(PRESETS)} or a local checkpoint directory")
@@ -487,6 +495,7 @@ def run_bench(config: dict[str, Any]) -> dict[str, Any]:
     report["config"]["gc_probe_peak_bytes"] = int(gc_probe_peak)  # block_h's k was found with it
     report["overlaps"] = [list(pair) for pair in overlaps(report)]
     report["efficiency"] = efficiency(report)
+    report["targets"] = targets(report)
     return report
 
 
@@ -525,6 +534,10 @@ def _row(run: Run, gc_peak: int, tokens: int, nogc_flops) -> dict[str, Any]:
         "grad_err": ({"mean": statistics.fmean(src.grad_errs), "max": max(src.grad_errs)}
                      if src.grad_errs else None),
         "plan_mix": ({a: n for a, n in stats.get("actions", {}).items() if n} if src.stats else None),
+        # per step: bytes held per action (L: packed, each unpacked once in the backward), codec time
+        "held_bytes": ({a: n for a, n in stats.get("bytes", {}).items() if n} if src.stats else None),
+        "pack_s": stats.get("pack_s") if src.stats else None,
+        "unpack_s": stats.get("unpack_s") if src.stats else None,
         "gap_closed": None,  # filled from the medians below
         "cpu_s": {"median": statistics.median(src.cpu_s), "min": min(src.cpu_s), "max": max(src.cpu_s)},
         "recomputed_flops": (None if nogc_flops is None or src.backward_flops is None
@@ -597,6 +610,8 @@ def table(report) -> str:
         gap = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
         rf = "-" if r["recomputed_flops"] is None else f"{r['recomputed_flops'] / 1e9:.2f}"
         mix = "".join(f"{a}{n}" for a, n in (r["plan_mix"] or {}).items()) or "-"
+        if (r.get("held_bytes") or {}).get("L"):
+            mix += f" L {r['held_bytes']['L'] / MiB:.1f} MiB packed"
         if r.get("note"):
             mix += f" ({r['note']})"
         if r.get("measured_once"):
@@ -617,6 +632,9 @@ def table(report) -> str:
         lines.append(f"min-max throughput ranges overlap for {len(pairs)} pairs of runs (not "
                      "distinguishable at this repeat count; all in the JSON's \"overlaps\")"
                      + (": with gc / nogc: " + ", ".join(near) if near else ""))
+    verdicts = targets_text(targets(report))
+    if verdicts:
+        lines.append(verdicts)
     lines.append("tok/s: tokens per second of the whole update (fwd + loss + bwd + AdamW); peak: "
                  "whole process, act: above the step's start; fits: peak <= budget x GC peak; grad "
                  "err: ||g - g_nogc|| / ||g_nogc||; gap: (t_gc - t) / (t_gc - t_nogc); recomp GF: "
@@ -680,8 +698,24 @@ def main(config: dict[str, Any], json_path: str | None, plot_path: str | None) -
     return 0
 
 
+def show(report_path: str, plot_path: str | None) -> int:
+    """``--report``: the table (with the targets) of a saved report; ``--plot`` redraws it."""
+    try:
+        with open(report_path, encoding="utf-8") as handle:
+            report = json.load(handle)
+        text = table(report)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise BenchError(f"--report {report_path}: not a readable hilore bench report "
+                         f"({_first_line(error)})") from None
+    print(text)
+    if plot_path:
+        plot(report, plot_path)
+        _progress(f"wrote {plot_path}")
+    return 0
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", metavar="PRESET_OR_DIR", required=True,
+    parser.add_argument("--model", metavar="PRESET_OR_DIR", default=None,
                         help=f"a preset ({', '.join(PRESETS)}; random weights) or a local "
                              "checkpoint directory (never downloads)")
     parser.add_argument("--seq-len", metavar="N", type=int, default=256, help="tokens per sequence (default 256)")
@@ -708,3 +742,6 @@ def add_arguments(parser) -> None:
                              "when none is up; without it ds_ac is skipped then")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--report", metavar="IN.json", default=None,
+                        help="print the table and targets of a saved report (with --plot: redraw "
+                             "it) instead of running")
