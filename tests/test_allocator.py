@@ -456,6 +456,40 @@ def test_exposure_splits_sequences_and_never_stores_a_zero_advantage(prediction)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))  # H, R and E are exact
 
 
+@pytest.mark.parametrize("stored", [4, 3])
+def test_zero_sequences_stay_in_whole_storages_when_every_unit_is_stored(stored):
+    """NOTE [ Exact zeros ]: a plan storing every unit whole keeps the A = 0 sequences in place
+    (no copies: the H bytes of a microbatch with a zero group equal those of one without); a
+    plan that recomputes a unit frees them. Both exact, bitwise."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    h, gc = 1_000_000, 1 << 30
+    runtime = ds_hilore.attach(model, dict(BASE, calibration_microbatches=0, low_precision="none",
+                                           memory_budget_bytes=gc + int((stored + 0.5) * h)))
+    profile = _synthetic_profile(runtime.units, h_bytes=h, gc_peak=gc)
+    try:
+        runtime.load_state_dict({"version": 1, "policy": {
+            "risk": RiskModel().to_dict(), "tighten": 1.0, "calibrated": 0,
+            "profiles": [profile.to_dict()]}})
+        plan = runtime.policy.buckets[BUCKET].plan.actions
+        assert sorted(plan.values()) == ["H"] * stored + ["R"] * (4 - stored), plan
+        held, zeros = [], []
+        for step in (1, 0):  # REWARDS[1]: every group has spread; REWARDS[0]: one has none
+            _, got, expected = _step(runtime, model, ref, step)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), step
+            stats = runtime.stats
+            held.append(stats["bytes"]["H"])
+            zeros.append(stats["microbatches"][-1]["exact_zero_sequences"])
+            assert stats["actions"]["H"] == stored and stats["actions"]["R"] == 4 - stored
+    finally:
+        runtime.detach()
+    assert zeros == [0, 2]
+    if stored == 4:
+        assert held[1] == held[0] > 0  # kept in place
+    else:
+        assert 0 < held[1] < held[0]  # freed: half the sequences of every stored unit
+
+
 def test_a_sequence_wrongly_predicted_unexposed_never_corrupts_the_gradient():
     """``expect`` says sequence 0 carries no exposure, but its advantage is the largest (a KL
     term, a stale prediction): NOTE [ Checked elision ] promises an exact fallback (R), never a

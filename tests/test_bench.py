@@ -93,6 +93,10 @@ def test_gradient_errors(bench):
     assert all_l["plan_mix"].get("L", 0) > 0
     assert all_l["held_bytes"]["L"] > 0 and all_l["pack_s"] > 0 and all_l["unpack_s"] > 0
     assert "L" not in _runs(report, "hr")[0]["held_bytes"]  # H and R only: nothing packed
+    for name in ("static", "hr", "hilore"):  # the allocator's own budget and estimate
+        own = _runs(report, name)[0]["allocator"]
+        assert own["budget_bytes"] > 0 and 0 <= own["grad_error_est"] <= own["risk_budget"], name
+    assert _runs(report, "hilore_all_h")[0]["allocator"] is None  # forced: no allocator
 
 
 def test_gap_closed_formula(bench):

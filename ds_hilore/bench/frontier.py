@@ -538,6 +538,10 @@ def _row(run: Run, gc_peak: int, tokens: int, nogc_flops) -> dict[str, Any]:
         "held_bytes": ({a: n for a, n in stats.get("bytes", {}).items() if n} if src.stats else None),
         "pack_s": stats.get("pack_s") if src.stats else None,
         "unpack_s": stats.get("unpack_s") if src.stats else None,
+        # the allocator's own view of its last step: its budget and peak, estimated error
+        "allocator": ({k: stats.get(k) for k in ("budget_bytes", "peak_bytes", "grad_error_est",
+                                                  "risk_budget")}
+                      if src.stats and stats.get("budget_bytes") is not None else None),
         "gap_closed": None,  # filled from the medians below
         "cpu_s": {"median": statistics.median(src.cpu_s), "min": min(src.cpu_s), "max": max(src.cpu_s)},
         "recomputed_flops": (None if nogc_flops is None or src.backward_flops is None

@@ -158,6 +158,14 @@ class Scheduler:
         self._reset_step()
 
     # ------------------------------------------------------------------ public
+    def keeps_whole(self, mb) -> bool:
+        """Whether the zero-ω sequences of ``mb`` stay in the storages kept whole: yes when the
+        plan stores every unit whole (nothing was short of memory; eliding them would only copy
+        the other sequences out, NOTE [ Exact zeros ] in runtime/storage.py)."""
+        bucket = self.buckets.get(mb.plan_key)
+        return (not self.passes.running and bucket is not None and bucket.plan is not None
+                and all(a == "H" for a in bucket.plan.actions.values()))
+
     def expect(self, exposure: list[float] | None) -> None:
         """Predicted exposure per sequence of the next microbatch (e.g. |A_i| * tokens_i when
         on-policy with beta = 0): its sequences are split and elided by it before the forward."""

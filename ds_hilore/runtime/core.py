@@ -126,8 +126,9 @@ class HiLoReRuntime:
         # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
         # of set_plan / force_plan holds. The runtime calls it at fixed points and never
         # imports it: begin_forward(args, kwargs) before a training forward of the model,
-        # begin_microbatch(mb) at its first layer, after_coefficients(mb) once ω and exposure
-        # are known, top_grad(mb, grad) when the backward reaches the last layer, end_step().
+        # begin_microbatch(mb) at its first layer, keeps_whole(mb) and after_coefficients(mb) once
+        # ω and exposure are known, top_grad(mb, grad) when the backward reaches the last layer,
+        # end_step().
         self.policy = None
         self.attached = False
         self._switched_on = True

@@ -59,6 +59,8 @@ class Elision:
             zero = exposure.zero_rows(abs_omega)
             every = abs_omega.shape[0]
         all_zero = len(zero) == every and all(f.elision_ok for f in frames)
+        policy = self.runtime.policy  # NOTE [ Exact zeros ]: copies only where memory is short
+        keep = 0 < len(zero) < every and policy is not None and policy.keeps_whole(mb)
         if source == "analytic" and collective is not None:  # every rank must agree
             all_zero = collective.all_reduce_max([0 if all_zero else 1])[0] == 0
         mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
@@ -75,8 +77,8 @@ class Elision:
                 rows_zero = sorted(frame.elided_rows)
             else:
                 unverified_rows_to_r(frame, set(zero) if frame.elision_ok else set())
-                frame.elided_rows = set(zero) if frame.elision_checked else set()
-                rows_zero = zero
+                rows_zero = [] if keep else zero
+                frame.elided_rows = set(rows_zero) if frame.elision_checked else set()
             for pos, unit in enumerate(frame.layer.units):
                 if frame.plan.actions[pos] == "R":
                     continue

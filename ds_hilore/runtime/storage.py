@@ -34,6 +34,9 @@ MIN_PACK_GROUP = 16
 # recompute only when every rank agrees, or ZeRO-3's collectives would diverge.
 # The segments of a packed row are not rows: attention can mix them, so a zero segment is
 # elided only where nothing reads it (NOTE [ Packed sequences ] in core.py).
+# Eliding from a storage kept whole frees bytes by copying the sequences that stay out of it
+# (and back into one buffer in the backward): a policy may decline (``keeps_whole``) when its
+# plan stores every unit whole -- then no memory is short and the copies would be pure cost.
 
 
 def stand_in_value(dtype: torch.dtype):
