@@ -239,13 +239,13 @@ def _run_config_check(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- bench
 def _run_bench(args: argparse.Namespace) -> int:
-    from ds_hilore.bench import frontier
+    from ds_hilore.bench import frontier, report
 
     try:
         if args.report:
-            return frontier.show(args.report, args.plot)
+            return report.show(args.report, args.plot)
         config = frontier.check_args(args)
-    except frontier.BenchError as error:
+    except (frontier.BenchError, report.BenchReportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     config["threads"] = args.threads
