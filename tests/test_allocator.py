@@ -490,6 +490,54 @@ def test_zero_sequences_stay_in_whole_storages_when_every_unit_is_stored(stored)
         assert 0 < held[1] < held[0]  # freed: half the sequences of every stored unit
 
 
+def test_all_h_plan_elides_nothing_at_capture_and_a_leak_still_falls_back(caplog):
+    """An all-H plan ignores ``expect``'s predicted zeros at capture (nothing to free), and the
+    zero-ω sequences are still checked: an entropy bonus reaching them (a loss term ω does not
+    see) sends the layers to R, exactly (NOTE [ Checked elision ])."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    h, gc = 1_000_000, 1 << 30
+    runtime = ds_hilore.attach(model, dict(BASE, calibration_microbatches=0, low_precision="none",
+                                           memory_budget_bytes=gc + int(4.5 * h)))
+    profile = _synthetic_profile(runtime.units, h_bytes=h, gc_peak=gc)
+    calls = []
+    apply_plan = runtime.apply_plan
+
+    def recording_apply_plan(plan, rows=None):
+        calls.append((plan, rows))
+        return apply_plan(plan, rows)
+
+    runtime.apply_plan = recording_apply_plan
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (B, T), generator=g)
+    advantages = group_advantages(REWARDS[0], group_size=2)  # sequences 2, 3: A = 0
+
+    def loss_with_entropy(m):
+        logits = m(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+        mask = torch.ones_like(logp)
+        return policy_loss(logp, logp.detach(), advantages, mask, model=m).loss - 0.01 * entropy
+
+    try:
+        runtime.load_state_dict({"version": 1, "policy": {
+            "risk": RiskModel().to_dict(), "tighten": 1.0, "calibrated": 0,
+            "profiles": [profile.to_dict()]}})
+        assert set(runtime.policy.buckets[BUCKET].plan.actions.values()) == {"H"}
+        runtime.policy.expect([1.0, 1.0, 0.0, 0.0])
+        model.zero_grad(set_to_none=True)
+        loss_with_entropy(model).backward()
+        stats = runtime.stats
+        runtime.end_step()
+    finally:
+        runtime.detach()
+    loss_with_entropy(ref).backward()
+    assert all("E" not in r for r in (calls[-1][1] or {}).values()), calls[-1]
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(ref)))
+    assert "get gradient from other loss terms" in caplog.text
+    assert stats["recomputed_units"] == len(runtime.units)  # every layer fell back to R
+
+
 def test_a_sequence_wrongly_predicted_unexposed_never_corrupts_the_gradient():
     """``expect`` says sequence 0 carries no exposure, but its advantage is the largest (a KL
     term, a stale prediction): NOTE [ Checked elision ] promises an exact fallback (R), never a

@@ -163,8 +163,7 @@ class Scheduler:
         plan stores every unit whole (nothing was short of memory; eliding them would only copy
         the other sequences out, NOTE [ Exact zeros ] in runtime/storage.py)."""
         bucket = self.buckets.get(mb.plan_key)
-        return (not self.passes.running and bucket is not None and bucket.plan is not None
-                and all(a == "H" for a in bucket.plan.actions.values()))
+        return not self.passes.running and bucket is not None and _stores_all(bucket)
 
     def expect(self, exposure: list[float] | None) -> None:
         """Predicted exposure per sequence of the next microbatch (e.g. |A_i| * tokens_i when
@@ -253,13 +252,14 @@ class Scheduler:
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         order = sorted(range(batch), key=lambda i: expected[i]) if expected else list(range(batch))
         packed = set(order[:batch // 2])  # the less exposed half
+        elide = expected and not _stores_all(bucket)  # keeps_whole: nothing short of memory
         actions, rows = {}, {}
         for name, action in plan.actions.items():
             actions[name] = "H" if action == "S" else action
-            if action in ("S", "H", "L") and (action == "S" or expected):
+            if action in ("S", "H", "L") and (action == "S" or elide):
                 per_row = ["L" if (action == "S" and i in packed) or action == "L" else "H"
                            for i in range(batch)]
-                if expected and not self.runtime.config.exposure_source == "hidden_grad":
+                if elide and not self.runtime.config.exposure_source == "hidden_grad":
                     per_row = ["E" if expected[i] == 0 else a for i, a in enumerate(per_row)]
                 rows[name] = tuple(per_row)
         self.runtime.apply_plan(actions, rows)
@@ -413,3 +413,8 @@ def _row_states(frame, pos: int) -> list[str]:
             if "L" in states:
                 return states
     return states or ["H"] * frame.batch
+
+
+def _stores_all(bucket: Bucket) -> bool:
+    """The bucket's plan keeps every unit whole (H): no memory is short (``keeps_whole``)."""
+    return bucket.plan is not None and all(a == "H" for a in bucket.plan.actions.values())

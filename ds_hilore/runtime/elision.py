@@ -77,8 +77,10 @@ class Elision:
                 rows_zero = sorted(frame.elided_rows)
             else:
                 unverified_rows_to_r(frame, set(zero) if frame.elision_ok else set())
+                # checked as elided even when kept in place: rows elided at capture (``expect``)
+                # are among them, and the check must cover every row that may be
+                frame.elided_rows = set(zero) if frame.elision_checked else set()
                 rows_zero = [] if keep else zero
-                frame.elided_rows = set(rows_zero) if frame.elision_checked else set()
             for pos, unit in enumerate(frame.layer.units):
                 if frame.plan.actions[pos] == "R":
                     continue
