@@ -101,6 +101,19 @@ def _step(runtime, model, ref, step: int, *, meter: bool = False, **kwargs):
     return peak, _grads(model), _grads(ref)
 
 
+def _record_plans(runtime) -> list:
+    """(actions, rows) of every plan the policy hands the runtime (``apply_plan``), in order."""
+    calls = []
+    apply_plan = runtime.apply_plan
+
+    def recording_apply_plan(plan, rows=None):
+        calls.append((plan, rows))
+        return apply_plan(plan, rows)
+
+    runtime.apply_plan = recording_apply_plan
+    return calls
+
+
 def _unit_utility(cost: UnitCost, action: str) -> float:
     if action == "H":
         return cost.utility_h
@@ -403,14 +416,7 @@ def test_exposure_splits_sequences_and_never_stores_a_zero_advantage(prediction)
     runtime = ds_hilore.attach(model, dict(BASE, calibration_microbatches=0,
                                            memory_budget_bytes=gc + headroom))
     profile = _synthetic_profile(runtime.units, h_bytes=h, rel_error=0.029, gc_peak=gc)
-    calls = []
-    apply_plan = runtime.apply_plan  # how the policy hands its plan to the runtime
-
-    def recording_apply_plan(plan, rows=None):
-        calls.append((plan, rows))
-        return apply_plan(plan, rows)
-
-    runtime.apply_plan = recording_apply_plan
+    calls = _record_plans(runtime)
     rewards = torch.tensor([5.0, 0.0, 1.0, 2.0])  # one group: A = (3, -2, -1, 0) / std
     advantages = group_advantages(rewards, group_size=4)
     assert advantages[3] == 0 and (advantages[:3] != 0).all()
@@ -500,14 +506,7 @@ def test_all_h_plan_elides_nothing_at_capture_and_a_leak_still_falls_back(caplog
     runtime = ds_hilore.attach(model, dict(BASE, calibration_microbatches=0, low_precision="none",
                                            memory_budget_bytes=gc + int(4.5 * h)))
     profile = _synthetic_profile(runtime.units, h_bytes=h, gc_peak=gc)
-    calls = []
-    apply_plan = runtime.apply_plan
-
-    def recording_apply_plan(plan, rows=None):
-        calls.append((plan, rows))
-        return apply_plan(plan, rows)
-
-    runtime.apply_plan = recording_apply_plan
+    calls = _record_plans(runtime)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, VOCAB, (B, T), generator=g)
     advantages = group_advantages(REWARDS[0], group_size=2)  # sequences 2, 3: A = 0
@@ -566,14 +565,7 @@ def test_a_prediction_is_for_the_next_microbatch_only():
     ref = copy.deepcopy(model)
     runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, profile_microbatches=1,
                                            calibration_microbatches=0))
-    calls = []
-    apply_plan = runtime.apply_plan
-
-    def recording_apply_plan(plan, rows=None):
-        calls.append((plan, rows))
-        return apply_plan(plan, rows)
-
-    runtime.apply_plan = recording_apply_plan
+    calls = _record_plans(runtime)
     try:
         runtime.policy.expect([0.0, 5.0, 5.0, 5.0])  # for microbatch 0: profiled, all R
         _step(runtime, model, ref, 0, rewards=torch.tensor([0.0, 0.0, 1.0, 1.0]))
