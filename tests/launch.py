@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,15 @@ def _all_output(launcher_output: str, log_dir: Path) -> str:
     return "\n".join(parts)
 
 
+# A rank of a 2-rank CPU launch has been seen, rarely (2 of ~10 full suites, never alone), to abort
+# in C++ ("terminate called without an active exception") within seconds of starting its second
+# ZeRO-3 engine in one process, before any HiLoRe step of that engine; the cause is not found.
+# Such a launch is run once more, with a warning; a second abort fails the test.
+NATIVE_ABORT = "terminate called without an active exception"
+
+
 def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...] = (), nprocs: int = 2,
-                    launcher: str = "deepspeed", timeout: float = 300.0) -> list[dict]:
+                    launcher: str = "deepspeed", timeout: float = 300.0, retry: bool = True) -> list[dict]:
     """Run ``script`` on ``nprocs`` CPU ranks and return each rank's result dict, by rank.
 
     Args:
@@ -90,6 +98,7 @@ def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...]
         nprocs: number of ranks.
         launcher: ``"deepspeed"`` (``deepspeed --num_gpus N``) or ``"mpirun"`` (``mpirun -np N``).
         timeout: seconds before every process of the launch is killed and the test fails.
+        retry: run the launch once more after a native abort (``NATIVE_ABORT``, see above).
 
     Returns:
         One dict per rank, sorted by rank, as written by :func:`write_result`.
@@ -120,8 +129,13 @@ def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...]
                     f"(a hang: ranks issuing different collectives?)\n{_all_output(output, log_dir)}")
     try:
         if proc.returncode != 0:
+            everything = _all_output(output, log_dir)
+            if retry and NATIVE_ABORT in everything:
+                warnings.warn(f"{launcher} launch of {script.name}: a rank aborted natively "
+                              f"({NATIVE_ABORT!r}); launching once more")
+                return run_distributed(script, args, nprocs, launcher, timeout, retry=False)
             pytest.fail(f"{launcher} launch of {script.name} exited with {proc.returncode}\n"
-                        f"{' '.join(cmd)}\n{_all_output(output, log_dir)}")
+                        f"{' '.join(cmd)}\n{everything}")
         results = []
         for rank in range(nprocs):
             path = result_dir / f"rank{rank}.json"
