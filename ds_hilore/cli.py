@@ -414,7 +414,8 @@ def _with_lora(model, r: int, seed: int):
     except ImportError:
         raise _BadFlag(f"--lora-r {r}: needs the peft package (pip install peft); "
                        "or leave --lora-r out to train the full model.") from None
-    config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.05, target_modules="all-linear")
+    # as `hilore bench` (peft's default dropout): the profile shows what the bench plans with
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear")
     try:
         lora = peft.get_peft_model(model, config)
     except ValueError as error:
@@ -532,7 +533,8 @@ def _profile_report(model, runtime, args: argparse.Namespace, device, threads: i
             "name": cost.name, "kind": cost.kind, "layer": cost.layer, "pos": cost.pos,
             "h_bytes": cost.h_bytes, "l_bytes": cost.l_bytes, "ff_bytes": cost.ff_bytes,
             "recompute_s": cost.recompute_s, "capture_s": cost.capture_s, "pack_s": cost.pack_s,
-            "unpack_s": cost.unpack_s, "utility_h_s": cost.utility_h, "utility_l_s": cost.utility_l,
+            "unpack_s": cost.unpack_s, "derive_s": cost.derive_s, "utility_h_s": cost.utility_h,
+            "utility_l_s": cost.utility_l,
             "rel_error": cost.rel_error, "packable": packable, "sliceable": cost.sliceable,
             "group": group, "susceptibility": risk.susceptibility(group),
             "susceptibility_from": ("group" if risk.samples.get(group) else
@@ -625,8 +627,9 @@ def _profile_table(report: dict) -> str:
         lines.append(f"held-out ranking check: Spearman {'n/a' if rho is None else f'{rho:.2f}'} "
                      f"between predicted risk and measured gradient error over "
                      f"{len(ranking['slices'])} slices (each packable unit's less / more exposed half)")
-    lines.append("U(H) = recompute - capture, U(L) = recompute - pack - unpack: the time a "
-                 "microbatch saves against R; '-': not packable")
+    lines.append("U(H) = recompute - capture - derive, U(L) = recompute - pack - unpack - derive: "
+                 "the time a microbatch saves against R (derive: re-deriving pointwise tensors); "
+                 "'-': not packable")
     return "\n".join(lines)
 
 

@@ -137,8 +137,10 @@ def test_profile_of_qwen2_as_a_console_command(tmp_path, capsys):
         assert row["recompute_s"] > 0, row
         assert row["packable"] == (row["l_bytes"] < row["h_bytes"]), row
         assert row["l_bytes"] <= row["h_bytes"], row
-        assert row["utility_h_s"] == pytest.approx(row["recompute_s"] - row["capture_s"])
-        assert row["utility_l_s"] == pytest.approx(row["recompute_s"] - row["pack_s"] - row["unpack_s"])
+        assert row["utility_h_s"] == pytest.approx(row["recompute_s"] - row["capture_s"] - row["derive_s"])
+        assert row["utility_l_s"] == pytest.approx(row["recompute_s"] - row["pack_s"] - row["unpack_s"]
+                                                   - row["derive_s"])
+        assert row["derive_s"] >= 0 and (row["derive_s"] > 0) == (row["kind"] == "mlp"), row
         assert row["susceptibility"] > 0 and row["action"] in "HLSR"
         assert row["susceptibility"] == report["susceptibility"]["groups"][row["group"]]
     assert any(row["packable"] for row in report["units"])  # int8 packs qwen2's activations

@@ -23,6 +23,7 @@ CONTRACT_DEFAULTS = {
     "fp8_scaling": "token",
     "fp8_block_size": 128,
     "min_pack_numel": 4096,
+    "derive_pointwise": True,
     "force_plan": None,
     "layer_pattern": None,
     "attn_children": None,  # units are found from each layer's execution

@@ -47,7 +47,7 @@ def unit_options(cost: UnitCost, codec: bool, split_share: float) -> dict[str, t
         if cost.sliceable and cost.rows >= 2:
             half = cost.rows // 2  # rows packed
             packed = half / cost.rows
-            options["S"] = (cost.recompute_s - cost.capture_s - packed * (cost.pack_s + cost.unpack_s),
+            options["S"] = (cost.utility_h - packed * (cost.pack_s + cost.unpack_s),
                             cost.h_bytes - int(packed * (cost.h_bytes - cost.l_bytes)), split_share)
     return options
 

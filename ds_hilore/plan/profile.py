@@ -12,6 +12,8 @@ needs more memory than GC on a shape it has not measured. While they run:
   packed and unpacked once more, one tensor at a time, with the runtime's own code path
   (``Stored.set_rows``), so at most one tensor's packed copy is alive beyond GC's own memory;
 * capture time: building the storage records of H (bookkeeping only: H keeps references);
+* derived tensors (NOTE [ Derived tensors ] in runtime/derived.py): no bytes; the time of the
+  pointwise op that re-derives them, which H and L both pay in the backward;
 * fast-forward bytes: what a layer keeps of its first unit when only a later unit is recomputed;
 * GC's peak: the whole process, measured around the microbatch (
   ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's in-use bytes sampled at every
@@ -52,18 +54,19 @@ class UnitCost:
     l_bytes: int = 0  # bytes kept by L (unpackable tensors stay whole)
     ff_bytes: int = 0  # bytes a fast-forward of this unit keeps when a later unit is R
     rel_error: float = 0.0  # ||x - unpack(pack(x))|| / ||x|| over the unit's packed tensors
+    derive_s: float = 0.0  # seconds: re-deriving its pointwise tensors in the backward (H, L)
     rows: int = 1  # sequences of the profiled microbatch
     sliceable: bool = False  # kept per sequence: H/L splits by sequence are possible
 
     @property
     def utility_h(self) -> float:
-        """Seconds an H saves against R (U(H) = t_recompute - t_capture)."""
-        return self.recompute_s - self.capture_s
+        """Seconds an H saves against R (U(H) = t_recompute - t_capture - t_derive)."""
+        return self.recompute_s - self.capture_s - self.derive_s
 
     @property
     def utility_l(self) -> float:
-        """Seconds an L saves against R (U(L) = t_recompute - t_pack - t_unpack)."""
-        return self.recompute_s - self.pack_s - self.unpack_s
+        """Seconds an L saves against R (U(L) = t_recompute - t_pack - t_unpack - t_derive)."""
+        return self.recompute_s - self.pack_s - self.unpack_s - self.derive_s
 
 
 @dataclasses.dataclass
@@ -118,8 +121,10 @@ class _Sample:
     def fast_forward(self, unit, nbytes: int) -> None:
         self.costs[unit.name].ff_bytes += nbytes
 
-    def saved_tensor(self, frame, pos: int, t: torch.Tensor) -> None:
-        """A tensor the recompute of unit ``pos`` re-created: bytes and codec costs."""
+    def saved_tensor(self, frame, pos: int, t: torch.Tensor, derived=None) -> None:
+        """A tensor the recompute of unit ``pos`` re-created: bytes and codec costs; or, when
+        H / L would re-derive it (``derived``: (op, inputs), NOTE [ Derived tensors ]), no bytes
+        and the time of the op."""
         begin = self.now(t.device)
         key = (id(frame), pos, t.untyped_storage().data_ptr())
         if key in self._seen:
@@ -129,6 +134,13 @@ class _Sample:
         unit = frame.layer.units[pos]
         cost = self.costs[unit.name]
         cost.rows, cost.sliceable = frame.batch, frame.sliceable
+        if derived is not None:
+            op, inputs = derived
+            start = self.now(t.device)
+            op(*(source.view(spec) for source, spec in inputs))
+            cost.derive_s += self.now(t.device) - start
+            self.overhead_s += self.now(t.device) - begin
+            return
         scratch = Counters()
         start = self.now(t.device)
         stored = frame.new_stored(pos, t, scratch)

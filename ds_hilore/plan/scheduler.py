@@ -376,7 +376,7 @@ class Scheduler:
         collective = self.runtime.collective
         if collective is None:
             return profile
-        fields = ("recompute_s", "capture_s", "pack_s", "unpack_s", "rel_error")
+        fields = ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error")
         values = [getattr(u, f) for u in profile.units for f in fields]
         values += [u.h_bytes for u in profile.units] + [u.l_bytes for u in profile.units]
         values += [u.ff_bytes for u in profile.units] + [profile.gc_peak_bytes]

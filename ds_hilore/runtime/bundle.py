@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ds_hilore._errors import HiLoReError, bug
 from ds_hilore.grpo.exposure import input_norms
+from ds_hilore.runtime.derived import Derived, Live, derivation, view_spec
 from ds_hilore.runtime.storage import (
     ACT,
     FLOAT_DTYPES,
@@ -303,13 +304,16 @@ def _batch_and_length(hidden: torch.Tensor, mask) -> tuple[int, int]:
 class _Unit:
     """Per-unit state of one layer call: slots, what it stores, what a re-run needs."""
 
-    __slots__ = ("slots", "shapes", "stored", "by_ptr", "token_norms", "rc_count")
+    __slots__ = ("slots", "shapes", "stored", "by_ptr", "nodes", "token_norms", "rc_count")
 
     def __init__(self):
         self.slots: list = []  # weak refs of Slot, pack order
         self.shapes: list = []  # (shape, dtype) per slot
         self.stored: list[Stored] = []  # every storage the unit keeps
-        self.by_ptr: dict[int, Stored] = {}  # one entry per storage: shared tensors kept once
+        self.by_ptr: dict[int, Stored | Derived] = {}  # one entry per storage: kept once
+        # (autograd node, output number) -> (source, view spec, dtype) of the tensors saved so
+        # far, while the forward (or a profiled re-run) runs: what a Derived may be built from
+        self.nodes: dict = {}
         self.token_norms: torch.Tensor | None = None  # (B, T) unit-input norms, for exposure
         self.rc_count = 0  # tensors saved so far by the current re-run
 
@@ -379,8 +383,12 @@ class LayerFrame:
         profile = self.ctx.profile
         if profile is not None:
             self.clock = [(0, profile.now(self.device))]
-        with self._child_hooks(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = self.fn(*self.args)
+        try:
+            with self._child_hooks(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = self.fn(*self.args)
+        finally:
+            for unit in self.units:  # autograd nodes hold slots, slots hold this frame: no cycle
+                unit.nodes.clear()
         if profile is not None:  # NOTE [ Profiling ]: the forward of a unit is what R re-runs
             self.clock.append((None, profile.now(self.device)))
             for (pos, begin), (_, end) in zip(self.clock, self.clock[1:]):
@@ -456,7 +464,10 @@ class LayerFrame:
         else:
             slot = Slot(self, pos, ACT)
             if self.plan.actions[pos] != "R":
-                self._store(pos, t).attach(slot, t)
+                stored = self._store(pos, t)
+                stored.attach(slot, t)
+                if self.ctx.derive and t.grad_fn is not None:
+                    unit.nodes[(t.grad_fn, t.output_nr)] = (stored, slot.view, t.dtype)
         unit.slots.append(weakref.ref(slot))
         return slot
 
@@ -466,6 +477,10 @@ class LayerFrame:
         stored = unit.by_ptr.get(ptr)
         if stored is not None and not stored.weak.expired() and stored.dtype == t.dtype:
             return stored
+        how = self._derivable(pos, t)
+        if how is not None:  # NOTE [ Derived tensors ] (derived.py): no bytes, no rows to plan
+            unit.by_ptr[ptr] = derived = Derived(t, *how, self.ctx.counters)
+            return derived
         stored = self.new_stored(pos, t, self.ctx.counters)
         unit.by_ptr[ptr] = stored  # an address reused after free gets a new entry
         unit.stored.append(stored)
@@ -475,6 +490,14 @@ class LayerFrame:
             if selected and (action == "E" or stored.packable):
                 stored.set_rows(selected, action)
         return stored
+
+    def _derivable(self, pos: int, t: torch.Tensor):
+        """(op, inputs) when unit ``pos`` can re-derive ``t`` from what it already saved
+        (NOTE [ Derived tensors ] in derived.py); never a storage entering a unit or the layer."""
+        ptr = t.untyped_storage().data_ptr()
+        if not self.ctx.derive or ptr in self.boundary or ptr in self.input_ptrs:
+            return None
+        return derivation(t, self.units[pos].nodes)
 
     def new_stored(self, pos: int, t: torch.Tensor, counters) -> Stored:
         """How unit ``pos`` keeps the saved tensor ``t`` (whole; per sequence if sliceable;
@@ -581,9 +604,13 @@ class LayerFrame:
         for unit in self.units:
             unit.rc_count = 0
         replay = Replay(self.layer.module, tuple(self.calls), skip, self._recompute_pack, stop)
-        with self.ctx.counters.timed("recompute_s", self.device), \
-                replay_autocast(self.autocast, self.autocast_cache):
-            replay.run(self.fn, self.args, self.rng)
+        try:
+            with self.ctx.counters.timed("recompute_s", self.device), \
+                    replay_autocast(self.autocast, self.autocast_cache):
+                replay.run(self.fn, self.args, self.rng)
+        finally:
+            for unit in self.units:
+                unit.nodes.clear()
         for p in need:
             if self.units[p].rc_count != len(self.units[p].shapes):
                 raise bug(f"recompute of {self.layer.units[p].name} saved {self.units[p].rc_count} "
@@ -607,7 +634,10 @@ class LayerFrame:
                 "with 'layer_pattern' in the \"hilore\" block, or disable hilore for this model.")
         slot = unit.slots[k]()
         if self.ctx.profile is not None and slot is not None and slot.kind == ACT:
-            self.ctx.profile.saved_tensor(self, pos, t)  # bytes and codec costs, one at a time
+            # bytes and codec costs, one at a time; a tensor H / L would re-derive costs none
+            self.ctx.profile.saved_tensor(self, pos, t, self._derivable(pos, t))
+            if self.ctx.derive and t.grad_fn is not None:
+                unit.nodes[(t.grad_fn, t.output_nr)] = (Live(t), view_spec(t), t.dtype)
         if slot is not None and slot.empty():
             slot.ref = t.detach()
             slot.consumed = False

@@ -21,6 +21,7 @@ class Microbatch:
         self.index = index
         self.codec = runtime._codec
         self.min_pack_numel = runtime.config.min_pack_numel
+        self.derive = runtime.config.derive_pointwise  # NOTE [ Derived tensors ] (derived.py)
         self.weight_ref = runtime._weights
         self.counters = Counters()
         self.frames: dict[int, weakref.ref] = {}  # layer index -> frame
