@@ -462,6 +462,36 @@ def test_exposure_splits_sequences_and_never_stores_a_zero_advantage(prediction)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))  # H, R and E are exact
 
 
+def test_a_whole_plan_keeps_pointwise_tensors_only_where_they_fit():
+    """NOTE [ Derived tensors ]: a plan storing every unit whole re-derives the pointwise
+    tensors only when keeping them would not fit the headroom (the profile says what they hold);
+    where they fit, deriving would only cost time. Same plan (H4), both exact, bitwise; the
+    difference in H bytes is exactly those tensors: per layer silu(g) and silu(g) * u (N x 128)
+    and the post-attention norm's x * rsqrt (N x 64), N = 4 x 64 tokens."""
+    h, d, gc = 1_000_000, 500_000, 1 << 30
+    held = {}
+    for case in ("fits", "short"):
+        model = _model()
+        ref = copy.deepcopy(model)
+        headroom = 4 * h + 4 * d - (0 if case == "fits" else 1)
+        runtime = ds_hilore.attach(model, dict(BASE, calibration_microbatches=0,
+                                               memory_budget_bytes=gc + headroom))
+        profile = _synthetic_profile(runtime.units, h_bytes=h, gc_peak=gc)
+        for cost in profile.units:
+            cost.derived_bytes = d
+        try:
+            runtime.load_state_dict({"version": 1, "policy": {
+                "risk": RiskModel().to_dict(), "tighten": 1.0, "calibrated": 0,
+                "profiles": [profile.to_dict()]}})
+            assert set(runtime.policy.buckets[BUCKET].plan.actions.values()) == {"H"}
+            _, got, expected = _step(runtime, model, ref, 1)
+            held[case] = runtime.stats["microbatches"][-1]["bytes"]["H"]
+        finally:
+            runtime.detach()
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), case
+    assert held["fits"] - held["short"] == 2 * 4 * (B * T) * (2 * 128 + 64)
+
+
 @pytest.mark.parametrize("stored", [4, 3])
 def test_zero_sequences_stay_in_whole_storages_when_every_unit_is_stored(stored):
     """NOTE [ Exact zeros ]: a plan storing every unit whole keeps the A = 0 sequences in place
@@ -714,6 +744,11 @@ def test_leave_one_out_drops_exactly_the_layers_that_do_not_pay():
     assert noisy.dropped() == {1}  # -0.1 + 0.05 is not positive: shown not to pay
     noisy.times[None] = [0.95, 1.6]  # a wider spread: -0.05 + 0.1625 > 0, within the noise
     assert noisy.dropped() == set()
+    noisy.times[None], noisy.times[1] = [1.0, 1.2], [0.8, 1.21]  # round 2: slower than the plan
+    assert noisy.utilities()[1] == pytest.approx(-0.2) and noisy.noise(1) == pytest.approx(0.1525)
+    assert noisy.dropped() == set()  # -0.2 + 0.1525 is not positive, but the rounds disagree
+    noisy.times[1] = [0.8, 1.19]  # every round agrees
+    assert noisy.dropped() == {1}
 
 
 def test_leave_one_out_runs_each_variant_then_recomputes_what_does_not_pay(monkeypatch):
@@ -737,6 +772,7 @@ def test_leave_one_out_runs_each_variant_then_recomputes_what_does_not_pay(monke
     monkeypatch.setattr(LeaveOneOut, "utilities", lambda self: {
         v: (-0.01 if v == kept[-1] else 0.01) for v in self.times if v is not None})
     monkeypatch.setattr(LeaveOneOut, "noise", lambda self, layer: 0.0)
+    monkeypatch.setattr(LeaveOneOut, "_every_round", lambda self, layer: True)
     expected = [{n: ("R" if layer[n] == v else a) for n, a in plan.items()} for v in kept]
     for k, want in enumerate(expected):  # the plan ran first; then each variant
         _, got, ref_grads = _step(runtime, model, ref, first + k)

@@ -80,7 +80,8 @@ def test_packed_units_derive_from_unpacked_inputs_with_bounded_error():
 
 def test_profile_counts_the_bytes_the_runtime_keeps():
     """The profiler (all-R microbatches, counting what the re-run saves) and the runtime
-    (all-H, what the forward keeps) agree on every unit's H bytes with derived tensors."""
+    (all-H, what the forward keeps) agree on the H bytes, derived tensors re-derived or kept
+    (the policy keeps them when its plan stores everything and they fit: ``derives``)."""
     model = tiny_model("qwen2", layers=LAYERS, hidden=HIDDEN, intermediate=INTER, dropout=False)
     inputs = batch()
     runtime = ds_hilore.attach(model, {"low_precision": "none", "profile_microbatches": 2,
@@ -92,12 +93,15 @@ def test_profile_counts_the_bytes_the_runtime_keeps():
         bucket = next(iter(runtime.policy.buckets.values()))
         profile = bucket.profiler.result()
         assert any(u.derive_s > 0 for u in profile.units)
+        assert all(u.derived_bytes > 0 for u in profile.units if u.kind == "mlp")
         runtime.config.force_plan = "H"
         loss_and_grads(model, inputs)
         kept = runtime.stats["bytes"]["H"]
+        derives = runtime.policy.derives(bucket)  # what this microbatch was told
     finally:
         runtime.detach()
-    assert sum(u.h_bytes for u in profile.units) == kept
+    derived = 0 if derives else sum(u.derived_bytes for u in profile.units)
+    assert sum(u.h_bytes for u in profile.units) + derived == kept
 
 
 def _saved(fn, *tensors):

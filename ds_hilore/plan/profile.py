@@ -13,7 +13,8 @@ needs more memory than GC on a shape it has not measured. While they run:
   (``Stored.set_rows``), so at most one tensor's packed copy is alive beyond GC's own memory;
 * capture time: building the storage records of H (bookkeeping only: H keeps references);
 * derived tensors (NOTE [ Derived tensors ] in runtime/derived.py): no bytes; the time of the
-  pointwise op that re-derives them, which H and L both pay in the backward;
+  pointwise op that re-derives them, which H and L both pay in the backward, and the bytes they
+  would hold if kept (a plan storing every unit whole keeps them when those fit: ``derives``);
 * fast-forward bytes: what a layer keeps of its first unit when only a later unit is recomputed;
 * GC's peak: the whole process, measured around the microbatch (
   ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's in-use bytes sampled at every
@@ -55,6 +56,7 @@ class UnitCost:
     ff_bytes: int = 0  # bytes a fast-forward of this unit keeps when a later unit is R
     rel_error: float = 0.0  # ||x - unpack(pack(x))|| / ||x|| over the unit's packed tensors
     derive_s: float = 0.0  # seconds: re-deriving its pointwise tensors in the backward (H, L)
+    derived_bytes: int = 0  # bytes those tensors would hold if kept (not in h_bytes / l_bytes)
     rows: int = 1  # sequences of the profiled microbatch
     sliceable: bool = False  # kept per sequence: H/L splits by sequence are possible
 
@@ -139,6 +141,7 @@ class _Sample:
             start = self.now(t.device)
             op(*(source.view(spec) for source, spec in inputs))
             cost.derive_s += self.now(t.device) - start
+            cost.derived_bytes += t.untyped_storage().nbytes()
             self.overhead_s += self.now(t.device) - begin
             return
         scratch = Counters()
@@ -210,9 +213,9 @@ class Profiler:
         for per_unit in zip(*used):
             first = per_unit[0]
             merged = dataclasses.replace(first)
-            for field in ("recompute_s", "capture_s", "pack_s", "unpack_s", "rel_error"):
+            for field in ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error"):
                 setattr(merged, field, statistics.median(getattr(u, field) for u in per_unit))
-            for field in ("h_bytes", "l_bytes", "ff_bytes"):  # bytes are exact: the largest
+            for field in ("h_bytes", "l_bytes", "ff_bytes", "derived_bytes"):  # exact: the largest
                 setattr(merged, field, max(getattr(u, field) for u in per_unit))
             units.append(merged)
         return BucketProfile(self.key, units, gc_peak_bytes=max(p for p in self.peaks if p is not None),

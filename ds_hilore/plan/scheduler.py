@@ -109,6 +109,7 @@ class Scheduler:
             return
         mb.plan_key = self.bucket.key
         mb.timing, self.timing = self.timing, None
+        mb.derive = mb.derive and self.derives(self.bucket)
         if self.bucket.plan is None:
             mb.profile = self.bucket.profiler.sample(self.runtime.units, self._device())
 
@@ -164,6 +165,17 @@ class Scheduler:
         the other sequences out, NOTE [ Exact zeros ] in runtime/storage.py)."""
         bucket = self.buckets.get(mb.plan_key)
         return not self.passes.running and bucket is not None and _stores_all(bucket)
+
+    def derives(self, bucket: Bucket) -> bool:
+        """Whether the units re-derive their pointwise tensors (NOTE [ Derived tensors ] in
+        runtime/derived.py): no when the plan stores every unit whole and keeping those tensors
+        too still fits the headroom -- nothing is short of memory, deriving would only cost time.
+        Always while the bucket is profiled: the profile measures what deriving saves."""
+        plan = bucket.plan
+        if plan is None or not _stores_all(bucket):
+            return True
+        kept = sum(c.derived_bytes for c in bucket.profile.units if plan.actions.get(c.name) == "H")
+        return plan.memory_bytes + kept > plan.headroom_bytes
 
     def expect(self, exposure: list[float] | None) -> None:
         """Predicted exposure per sequence of the next microbatch (e.g. |A_i| * tokens_i when

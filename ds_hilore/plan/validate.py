@@ -16,7 +16,10 @@ max over ranks.
 On a shared machine two runs of the same microbatch differ by more than one layer's recompute,
 so "not positive" is read against the measurement's own spread: a layer is dropped only when its
 utility plus half the mean range of its timings (the plan's and its variant's) is not positive,
-i.e. when it is shown not to pay; otherwise the profile's verdict stands. On a CPU the timings
+and when every round agrees (the variant ran no slower than the plan did in the same round: the
+rounds are interleaved, so a round compares runs seconds apart), i.e. when it is shown not to
+pay; otherwise the profile's verdict stands. (With two rounds on a shared 2-core CPU, minima
+alone sent every layer of a small model to R in one run of six: noise read as "does not pay".) On a CPU the timings
 are the process's CPU time, which other tenants' load moves much less than the wall clock.
 Pure bookkeeping: the scheduler runs the variants and reads the decision.
 """
@@ -69,6 +72,11 @@ class LeaveOneOut:
         return sum(spread) / (2 * len(spread)) if spread else 0.0
 
     def dropped(self) -> set[int]:
-        """Layers shown not to pay under joint execution (utility + noise not positive)."""
+        """Layers shown not to pay under joint execution: utility + noise not positive, and in
+        every repeat the variant ran no slower than the plan's run of the same round."""
         return {layer for layer, utility in self.utilities().items()
-                if utility + self.noise(layer) <= 0}
+                if utility + self.noise(layer) <= 0 and self._every_round(layer)}
+
+    def _every_round(self, layer: int) -> bool:
+        rounds = list(zip(self.times[None], self.times[layer]))
+        return bool(rounds) and all(variant <= plan for plan, variant in rounds)

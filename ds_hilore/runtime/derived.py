@@ -20,6 +20,10 @@ shape, strides and dtype. The op re-runs on exactly the strides the forward saw,
 value is bitwise the forward's on a deterministic device; under L it is computed from the
 unpacked inputs (the same error the packed inputs carry, measured by calibration, not added to
 the codec's per-tensor error). An elided sequence's inputs are stand-ins (1): f(1) is finite.
+
+Deriving trades an elementwise pass for memory, so it runs only where memory is short: the
+profiler records what the derived tensors would hold, and a policy whose plan stores every unit
+whole with room for them too turns it off for the microbatch (``Scheduler.derives``).
 """
 
 from __future__ import annotations
@@ -116,9 +120,6 @@ class Derived:
         self.buffer = None
         for source, _ in inputs:
             source.pending += 1  # released when this storage is read or dropped
-
-    nbytes = 0  # bytes held: none
-    packable = False
 
     def attach(self, slot, t: torch.Tensor) -> None:
         self.pending += 1
