@@ -534,8 +534,7 @@ def _profile_report(model, runtime, args: argparse.Namespace, device, threads: i
             "h_bytes": cost.h_bytes, "l_bytes": cost.l_bytes, "ff_bytes": cost.ff_bytes,
             "recompute_s": cost.recompute_s, "capture_s": cost.capture_s, "pack_s": cost.pack_s,
             "unpack_s": cost.unpack_s, "derive_s": cost.derive_s, "derived_bytes": cost.derived_bytes,
-            "utility_h_s": cost.utility_h,
-            "utility_l_s": cost.utility_l,
+            "utility_h_s": cost.utility_h, "utility_l_s": cost.utility_l,
             "rel_error": cost.rel_error, "packable": packable, "sliceable": cost.sliceable,
             "group": group, "susceptibility": risk.susceptibility(group),
             "susceptibility_from": ("group" if risk.samples.get(group) else

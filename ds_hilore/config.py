@@ -83,8 +83,9 @@ class HiLoReConfig(DeepSpeedConfigModel):
     min_pack_numel: _Int = Field(4096, strict=True, ge=0, description=(
         "Saved tensors with fewer elements per sequence slice are never packed (kept H)."))
     derive_pointwise: bool = Field(True, strict=True, description=(
-        "H and L units keep the inputs of a saved activation / product (a gated MLP's silu(g) "
-        "and silu(g) * u) and re-derive it at first read instead of keeping it; false keeps it."))
+        "Where memory is short, H and L units keep the inputs of a saved activation / product "
+        "(a gated MLP's silu(g) and silu(g) * u) and re-derive it at first read instead of "
+        "keeping it; false always keeps it."))
     force_plan: Optional[Union[Literal[ACTIONS], dict[str, Literal[ACTIONS]]]] = Field(None,
         description="Fixed actions, overriding allocator and budget: one action for every "
         "unit, or a mapping unit-name glob (fnmatch) -> action; the LAST matching glob wins.")
