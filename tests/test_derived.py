@@ -21,7 +21,8 @@ HIDDEN, INTER, LAYERS = 32, 64, 2
 B, T = 3, 16  # models.batch()
 
 
-def _h_bytes(model, config, plan="H"):
+def _bytes_and_grads(model, config, plan="H"):
+    """(bytes kept by action, reference loss and grads, loss and grads under ``plan``)."""
     inputs = batch()
     ref_loss, ref = loss_and_grads(model, inputs)
     runtime = ds_hilore.attach(model, dict(config, force_plan=plan))
@@ -46,7 +47,7 @@ def test_derived_tensors_hold_no_bytes_and_stay_bitwise_exact(arch, lora):
         model = tiny_model(arch, layers=LAYERS, hidden=HIDDEN, intermediate=INTER)
         model = with_lora(model) if lora else model
         for plan in ("H", {"*.attn": "R", "*.mlp": "H"}, {"*.attn": "H", "*.mlp": "R"}):
-            stats, ref_loss, ref, loss, grads = _h_bytes(
+            stats, ref_loss, ref, loss, grads = _bytes_and_grads(
                 model, {"low_precision": "none", "derive_pointwise": derive}, plan)
             assert torch.equal(loss, ref_loss), (derive, plan)
             assert [k for k in ref if not torch.equal(ref[k], grads[k])] == [], (derive, plan)
@@ -66,7 +67,7 @@ def test_packed_units_derive_from_unpacked_inputs_with_bounded_error():
     errors, packed = {}, {}
     for derive in (True, False):
         model = tiny_model("llama", layers=LAYERS, hidden=HIDDEN, intermediate=INTER, dropout=False)
-        stats, _, ref, _, grads = _h_bytes(model, dict(config, derive_pointwise=derive), "L")
+        stats, _, ref, _, grads = _bytes_and_grads(model, dict(config, derive_pointwise=derive), "L")
         num = sum((grads[k] - ref[k]).double().pow(2).sum() for k in ref)
         den = sum(ref[k].double().pow(2).sum() for k in ref)
         errors[derive] = float((num / den).sqrt())

@@ -67,8 +67,8 @@ def view_spec(t: torch.Tensor) -> tuple:
 
 def derivation(t: torch.Tensor, sources: dict) -> tuple[Callable, list] | None:
     """(op, [(source, view spec) per input]) when ``t``'s storage can be re-derived from tensors
-    already saved (``sources``: (autograd node, output number) -> (source, view spec), the
-    unit's saved tensors so far); None otherwise (NOTE [ Derived tensors ])."""
+    already saved (``sources``: (autograd node, output number) -> (source, view spec, dtype),
+    the unit's saved tensors so far); None otherwise (NOTE [ Derived tensors ])."""
     p = t._base if t._is_view() else t
     node = p.grad_fn
     if node is None or type(node).__name__ not in OPS or p._version != 0 or not p.is_contiguous() \
