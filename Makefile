@@ -12,6 +12,22 @@ TORCH_PIP_ARGS ?=
 # Per-test limit in seconds: a hung collective fails its test instead of the whole run.
 TEST_TIMEOUT ?= 900
 PYTEST_ARGS ?=
+# tests/test_openrlhf.py checks the README's OpenRLHF command against this release's argument
+# parser; it reads OpenRLHF's sources only, so the package goes in without its dependencies
+# (Ray, vLLM, flash-attn), which leaves every other package of the environment as it was.
+# Its wheels are CPython 3.10-3.12, x86-64, with no sdist: elsewhere the install is skipped
+# with a note, and the test skips.
+# It goes into a folder of its own, off sys.path: its wheel also carries a top-level `tests`
+# package, which in site-packages would shadow this repository's tests.
+OPENRLHF_VERSION ?= 0.11.2
+OPENRLHF_SOURCES := $(VENV)/sources/openrlhf
+# DeepSpeed builds its C++ ops (the CPU all-reduce) on first use into torch's extension cache,
+# by default ~/.cache/torch_extensions, shared by every DeepSpeed on the machine: another
+# version's build of the same op name is loaded as if it were ours ("module 'deepspeed_shm_comm'
+# has no attribute ..."). The project's builds stay in its environment; the variable reaches
+# every launched rank, which inherits the environment. `make test TORCH_EXTENSIONS_DIR=...`
+# overrides it; a value in the shell's environment does not.
+TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 .PHONY: venv test demo
 
@@ -22,14 +38,22 @@ $(STAMP): setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	$(BIN)/pip install mpich mpi4py
-	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install -e ".[test,mpi]"
+	rm -rf $(OPENRLHF_SOURCES) && $(BIN)/pip install --no-deps --target $(OPENRLHF_SOURCES) openrlhf==$(OPENRLHF_VERSION) || \
+		echo "note: no openrlhf $(OPENRLHF_VERSION) wheel for this Python/platform: tests/test_openrlhf.py will skip"
 	touch $@
 
 test: venv
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest tests -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(TORCH_EXTENSIONS_DIR) $(BIN)/python -m pytest tests -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
 
 # The same seeded GRPO run (2 ranks, ZeRO-2, LoRA) with gradient checkpointing and with HiLoRe,
 # then side by side; writes under output/demo. Extra trainer arguments: make demo DEMO_ARGS="...".
 DEMO_ARGS ?=
 demo: venv
-	$(BIN)/python -m examples.grpo.demo $(DEMO_ARGS)
+	TORCH_EXTENSIONS_DIR=$(TORCH_EXTENSIONS_DIR) $(BIN)/python -m examples.grpo.demo $(DEMO_ARGS)
+
+# Wheels for examples/bench/gpu.sh, which installs on a GPU machine without a package registry:
+# deepspeed and what the machine may lack, at this .venv's versions (GPU_PYTHON: its Python).
+.PHONY: gpu-wheels
+gpu-wheels: venv
+	examples/bench/gpu_wheels.sh

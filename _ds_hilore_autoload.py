@@ -1,11 +1,12 @@
-"""Interpreter-start half of ds_hilore's zero-code-change path (NOTE [ Autoload ] in ds_hilore/autoload.py).
+"""Interpreter-start half of ds_hilore's zero-code-change path (NOTE [ Autoload ] in
+ds_hilore/integrations/autoload.py).
 
 ``ds_hilore_autoload.pth`` imports this module at interpreter start when DS_HILORE or
 DS_HILORE_CONFIG is set. It holds only what must exist before deepspeed is imported -- the
 switch, the import hook, the stand-in for ``deepspeed.initialize`` -- and imports nothing but
 ``sys`` and ``os``, so that it costs about a millisecond. It lives outside the ds_hilore
 package because importing anything in the package runs ``ds_hilore/__init__``, which imports
-torch and deepspeed. Everything decided at call time is in ds_hilore/autoload.py.
+torch and deepspeed. Everything decided at call time is in ds_hilore/integrations/autoload.py.
 """
 
 import os
@@ -25,12 +26,17 @@ def switched_on(environ=os.environ) -> bool:
     return bool(switch) or bool(environ.get(ENV_CONFIG, "").strip())
 
 
+def switched_off(environ=os.environ) -> bool:
+    """Whether DS_HILORE says off (``0``, ``false``, ``no``, ``off``): off on every path."""
+    return environ.get(ENV_SWITCH, "").strip().lower() in SWITCH_OFF
+
+
 def install(explicit=False) -> bool:
     """Make every training ``deepspeed.initialize`` a ``ds_hilore.initialize`` in this process:
     at once if deepspeed is imported, else right after its import. ``explicit`` (``python -m
-    ds_hilore.run``): whatever DS_HILORE says. Returns whether the replacement is (or will be)
-    in place."""
-    if not (explicit or switched_on()):
+    ds_hilore.run``): on unless DS_HILORE turns it off. Returns whether the replacement is (or
+    will be) in place."""
+    if switched_off() or not (explicit or switched_on()):
         return False
     deepspeed = sys.modules.get("deepspeed")
     if deepspeed is not None and hasattr(deepspeed, "initialize"):

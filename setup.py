@@ -8,7 +8,7 @@ from setuptools.command.editable_wheel import editable_wheel
 
 README = Path(__file__).with_name("README.md")
 
-# NOTE [ Autoload ] (ds_hilore/autoload.py): Python's `site` runs this line at every interpreter
+# NOTE [ Autoload ] (ds_hilore/integrations/autoload.py): Python's `site` runs this line at every interpreter
 # start. Without DS_HILORE / DS_HILORE_CONFIG it costs two look-ups and imports nothing.
 AUTOLOAD_PTH = ("ds_hilore_autoload.pth",
                 'import os; (os.environ.get("DS_HILORE") or os.environ.get("DS_HILORE_CONFIG")) '
@@ -64,20 +64,23 @@ setup(
     py_modules=["_ds_hilore_autoload"],  # outside the package: importing it must not import torch
     cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
     # torch carries no version bound: pip keeps whatever build (CPU, CUDA, ROCm) is installed.
+    # The others' lower bounds are the APIs the package calls: DeepSpeed's
+    # runtime.tensor_parallel.init_utils.load_ds_config and ZeRO-3 trace queries, transformers'
+    # GradientCheckpointingLayer (modeling_layers), pydantic 2's model_config / field validators.
     install_requires=[
         "torch",
-        "deepspeed",
-        "transformers",
-        "peft",
-        "mpi4py",
+        "deepspeed>=0.18",
+        "transformers>=4.52",
+        "peft>=0.15",
         "numpy",
-        "pydantic>=2",
+        "pydantic>=2.6",
         "hjson",  # ds_config files are read as DeepSpeed reads them
         "matplotlib",  # the GRPO example's plots (examples/grpo)
     ],
     # trl: tests/test_trl.py runs TRL's GRPOTrainer; 1.16 keeps the torch, transformers,
     # deepspeed and accelerate versions above as they are.
-    extras_require={"test": ["pytest", "pytest-timeout", "trl==1.16.0"]},
+    # mpi: only launches through mpirun need mpi4py (DeepSpeed's MPI discovery); make installs it.
+    extras_require={"test": ["pytest", "pytest-timeout", "trl==1.16.0"], "mpi": ["mpi4py"]},
     entry_points={"console_scripts": ["hilore=ds_hilore.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -5,23 +5,27 @@ Public API:
     attach       -- make HiLoRe a model's activation checkpointing (no DeepSpeed needed)
     HiLoReConfig -- the ``"hilore"`` config block
     grpo         -- GRPO losses with exact per-token coefficients
+
+``import ds_hilore`` imports neither torch nor DeepSpeed (vLLM must be imported before
+DeepSpeed, and ``python -m ds_hilore.run`` runs the user's script before either): each name
+loads its module on first use; the config needs only pydantic.
 """
+
+import importlib
 
 from ds_hilore._errors import HiLoReConfigError, HiLoReError
 from ds_hilore.config import HiLoReConfig
-from ds_hilore.plan import attach
-from ds_hilore.runtime import HiLoReRuntime, find_runtime
 
 __all__ = ["HiLoReConfig", "HiLoReConfigError", "HiLoReError", "HiLoReRuntime", "attach",
            "find_runtime", "grpo", "initialize"]
 
+_LAZY = {"attach": "ds_hilore.plan", "HiLoReRuntime": "ds_hilore.runtime",
+         "find_runtime": "ds_hilore.runtime", "initialize": "ds_hilore.integrations.engine"}
+
 
 def __getattr__(name):
-    # DeepSpeed and the GRPO module load on first use: attaching to a model needs neither.
-    if name == "initialize":
-        from ds_hilore.integrations.engine import initialize
-        return initialize
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     if name == "grpo":
-        import importlib
         return importlib.import_module(".grpo", __name__)
     raise AttributeError(f"module 'ds_hilore' has no attribute {name!r}")

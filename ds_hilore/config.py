@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import hjson
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import (
+    BaseModel,
     BeforeValidator,
+    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -29,9 +30,10 @@ from pydantic import (
 
 from ds_hilore._errors import HiLoReConfigError
 
-__all__ = ["ACTIONS", "LOW_PRECISION", "HiLoReConfig"]
+__all__ = ["ACTIONS", "ACTIVATE", "LOW_PRECISION", "HiLoReConfig"]
 
 ACTIONS = ("H", "L", "R")  # high-precision store, low-precision store, recompute
+ACTIVATE = ("auto", "always", "with_checkpointing")  # NOTE [ The script's checkpointing ]
 LOW_PRECISION = ("int8", "fp8_e4m3", "none")  # must match the names in codecs.CODECS (+ "none")
 _FORCE_PLAN_ALLOWED = '"H", "L", "R", a mapping {"<unit-name glob>": "H" | "L" | "R"}, or null'
 
@@ -52,7 +54,18 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
-class HiLoReConfig(DeepSpeedConfigModel):
+class _ConfigModel(BaseModel):
+    """The pydantic settings of DeepSpeed's ``DeepSpeedConfigModel``, without importing
+    DeepSpeed: ``import ds_hilore`` and reading a config must not (importing DeepSpeed before
+    vLLM breaks vLLM). None of DeepSpeedConfigModel's extras apply here: the block has no
+    deprecated fields and never drops "auto" (NOTE [ No "auto" dropping ])."""
+
+    model_config = ConfigDict(validate_default=True, validate_assignment=True, use_enum_values=True,
+                              populate_by_name=True, extra="forbid", arbitrary_types_allowed=True,
+                              protected_namespaces=())
+
+
+class HiLoReConfig(_ConfigModel):
     """Settings of HiLoRe activation recovery; JSON key == attribute name == keyword argument.
 
     Raises:
@@ -62,6 +75,12 @@ class HiLoReConfig(DeepSpeedConfigModel):
 
     enabled: bool = Field(True, strict=True, description=(
         "Master switch; false leaves the model as DeepSpeed alone would train it."))
+    activate: Literal[ACTIVATE] = Field("auto", description=(
+        "Where HiLoRe turns on: always (attaching makes it the model's checkpointing and turns "
+        "it on); with_checkpointing (only where the script turned gradient checkpointing on, "
+        "now or later; a model trained without it stays plain); auto: always for "
+        "ds_hilore.attach / ds_hilore.initialize, with_checkpointing for engines HiLoRe joins "
+        "without a script change (DS_HILORE, python -m ds_hilore.run)."))
     memory_budget: float = Field(1.10, strict=True, ge=1.0, allow_inf_nan=False, description=(
         "Per-rank peak-memory budget, a multiple of gradient checkpointing's measured peak."))
     memory_budget_bytes: Optional[_Int] = Field(None, strict=True, gt=0, description=(
@@ -71,7 +90,8 @@ class HiLoReConfig(DeepSpeedConfigModel):
                      "memory the process may use, shared by the node's ranks); use instead of "
                      "memory_budget."))
     grad_error_tolerance: float = Field(0.015, strict=True, ge=0.0, lt=1.0, allow_inf_nan=False,
-        description="Mean relative gradient error that L (packing) may add: the risk budget.")
+        description="Relative error that L (packing) may add to the step's accumulated gradient (summed "
+                    "over micro-steps and ranks, what the optimizer sees): the risk budget.")
     low_precision: Literal[LOW_PRECISION] = Field("int8", description=(
         "Codec of the L action: int8 (per-token absmax), fp8_e4m3, or none (no L: only H and R)."))
     codec_backend: Literal["eager", "compile"] = Field("compile", description=(
@@ -114,17 +134,19 @@ class HiLoReConfig(DeepSpeedConfigModel):
         "Per-token coefficients: analytic (ds_hilore.grpo / set_coefficients), hidden_grad "
         "(gradient at the last hidden state, any loss), auto (analytic when given)."))
     log_interval: _Int = Field(0, strict=True, ge=0, description=(
-        "Log engine.hilore.stats every N optimizer steps on rank 0; 0 = quiet."))
+        "Every N optimizer steps, one line on rank 0 with the step's mix, peak against the "
+        "budget and error estimate (engine.hilore.stats has it all); 0 = quiet."))
 
     # NOTE [ No "auto" dropping ]
     # DeepSpeedConfigModel.__init__(strict=False) silently drops every value equal to "auto",
     # so {"low_precision": "auto"} would become the default instead of an error, and a key
-    # named "strict" would be swallowed as that argument. We check keys first, always pass
-    # strict=True, and translate pydantic's errors into HiLoReConfigError.
+    # named "strict" would be swallowed as that argument. The block is not built on it: every
+    # value reaches validation, keys are checked first, and pydantic's errors are translated
+    # into HiLoReConfigError.
     def __init__(self, **data: Any) -> None:
         _check_keys(data)
         try:
-            super().__init__(strict=True, **data)
+            super().__init__(**data)
         except ValidationError as error:
             raise HiLoReConfigError(_explain(error, data)) from None
 

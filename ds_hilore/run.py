@@ -7,10 +7,12 @@
 
 The script runs as ``__main__`` (as ``python train.py ARGS`` would run it) with
 ``deepspeed.initialize`` replaced as ``DS_HILORE=1`` replaces it (NOTE [ Autoload ] in
-ds_hilore/autoload.py): engines with an optimizer get HiLoRe, with the ``"hilore"`` block of
-their ds_config, else the one in DS_HILORE_CONFIG, else the defaults; the others stay plain.
-No variable is needed, so this form also works where the launcher does not carry variables to
-other nodes.
+ds_hilore/integrations/autoload.py): engines with an optimizer get HiLoRe, with the ``"hilore"``
+block of their ds_config, else the one in DS_HILORE_CONFIG, else the defaults; the others stay
+plain. No variable is needed, so this form also works where the launcher does not carry
+variables to other nodes; it sets ``DS_HILORE=1`` for the processes the script starts (Ray
+workers of a local ``ray.init``). ``DS_HILORE=0`` keeps everything plain. Neither torch nor
+DeepSpeed is imported before the script runs.
 
 ``deepspeed --module`` puts ``--local_rank=N`` before the script (``python -u -m ds_hilore.run
 --local_rank=N train.py ARGS``); it is handed on right after the script name, where ``deepspeed
@@ -73,7 +75,10 @@ def parse(args: Sequence[str]) -> Command:
 
 def main(args: Sequence[str] | None = None) -> None:
     command = parse(sys.argv[1:] if args is None else args)
-    autoload.install(explicit=True)
+    if autoload.install(explicit=True):
+        # The processes the script starts (a local ray.init's workers, a launcher's ranks) start
+        # with HiLoRe too: the .pth reads this variable there. DS_HILORE=0 keeps all of them plain.
+        os.environ.setdefault(autoload.ENV_SWITCH, "1")
     if command.module:
         sys.argv = [command.target, *command.argv]  # run_module puts the module's path in [0]
         runpy.run_module(command.target, run_name="__main__", alter_sys=True)

@@ -224,6 +224,41 @@ def test_run_executes_the_script_as_main_with_initialize_replaced(tmp_path):
                    "path0": str(tmp_path), "type": "TrainingInitialize"}
 
 
+_RUN_PROBE = """
+    import json, os, sys
+    before = sorted(m for m in ("torch", "deepspeed") if m in sys.modules)
+    import deepspeed
+    print(json.dumps({"before_script": before, "type": type(deepspeed.initialize).__name__,
+                      "switch": os.environ.get("DS_HILORE")}))
+"""
+
+
+def _run_probe(tmp_path, **env: str) -> dict:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_RUN_PROBE))
+    child_env = {k: v for k, v in os.environ.items() if k not in _VARIABLES}
+    child_env.update(env)
+    out = subprocess.run([sys.executable, "-m", "ds_hilore.run", str(script)], env=child_env,
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_run_imports_neither_torch_nor_deepspeed_before_the_script(tmp_path):
+    got = _run_probe(tmp_path)
+    assert got["before_script"] == [] and got["type"] == "TrainingInitialize"
+
+
+def test_run_sets_the_switch_for_the_processes_the_script_starts(tmp_path):
+    """Ray workers of a local ray.init (and any subprocess) inherit it: the .pth installs there."""
+    assert _run_probe(tmp_path)["switch"] == "1"
+
+
+def test_run_honours_ds_hilore_0(tmp_path):
+    got = _run_probe(tmp_path, DS_HILORE="0", DS_HILORE_CONFIG='{"force_plan": "H"}')
+    assert got["type"] != "TrainingInitialize" and got["switch"] == "0"
+
+
 # ---- deepspeed.initialize replaced, in this process -------------------------------------------
 @pytest.fixture(scope="module")
 def one_rank():
@@ -290,3 +325,80 @@ def test_explicit_ds_hilore_initialize_does_not_nest(replaced):
                                        config=_ds_config({"force_plan": "R"}))
     assert engine.hilore.config.force_plan == "R" and find_runtime(lm) is engine.hilore
     engine.hilore.detach()
+
+
+# ---- the script's checkpointing and settings per engine --------------------------------------
+def _train_one_step(engine) -> dict:
+    record = {"losses": [], "steps": []}
+    worker.train(engine, "lm", 1, 1, 0, record)
+    return engine.hilore.stats
+
+
+@pytest.mark.parametrize("gc,activate,on", [
+    (False, None, False),  # the script trains without checkpointing: as without ds_hilore
+    (True, None, True),  # the script checkpoints: HiLoRe replaces it
+    (False, "always", True),  # asked for in the block: HiLoRe on anyway
+])
+def test_zero_code_change_follows_the_scripts_checkpointing(replaced, gc, activate, on):
+    block = {"force_plan": "R"} if activate is None else {"force_plan": "R", "activate": activate}
+    replaced.setenv("DS_HILORE_CONFIG", json.dumps(block))
+    lm = worker.build_model("full", gc=gc)
+    engine, *_ = deepspeed.initialize(model=lm, model_parameters=list(lm.parameters()), config=_ds_config())
+    stats = _train_one_step(engine)
+    assert engine.hilore.enabled is on
+    every_unit = len(stats["microbatches"]) * len(engine.hilore.units)  # force_plan R
+    assert stats["recomputed_units"] == (every_unit if on else 0) and (every_unit > 0) is on
+    engine.hilore.detach()
+
+
+def test_explicit_initialize_turns_hilore_on_without_the_scripts_checkpointing(one_rank):
+    lm = worker.build_model("full", gc=False)
+    engine, *_ = engine_mod.initialize(model=lm, model_parameters=list(lm.parameters()),
+                                       config=_ds_config({"force_plan": "R"}))
+    stats = _train_one_step(engine)
+    every_unit = len(stats["microbatches"]) * len(engine.hilore.units)
+    assert engine.hilore.enabled and stats["recomputed_units"] == every_unit > 0
+    engine.hilore.detach()
+
+
+def test_engine_block_by_position_and_class(monkeypatch):
+    monkeypatch.setenv("DS_HILORE_CONFIG", "{}")
+    block = {"memory_budget": 1.3, "engines": {"RewardModel": {"force_plan": "R"}, "1": {"log_interval": 2}}}
+    assert autoload.engine_block(block, 0, "OPTForCausalLM") == ({"memory_budget": 1.3}, "DS_HILORE_CONFIG")
+    assert autoload.engine_block(block, 1, "RewardModel") == (
+        {"memory_budget": 1.3, "force_plan": "R", "log_interval": 2},
+        "DS_HILORE_CONFIG engines['RewardModel'] engines['1']")
+    assert autoload.engine_block({"engines": {"0": {"memory_budget": 1.5}, "Actor": {"memory_budget": 2.0}}},
+                                 0, "Actor")[0] == {"memory_budget": 1.5}  # the position wins
+
+
+@pytest.mark.parametrize("engines,pattern", [
+    ([1, 2], "must map an engine"),
+    ({"1": "R"}, "must map an engine"),
+    ({"1": {"force_plan": "Q"}}, "force_plan"),  # the second engine's typo stops the first's start
+    ({"RewardModel": {"memory_budgt": 1.2}}, "memory_budget"),
+])
+def test_engine_blocks_are_checked_at_the_first_engine(engines, pattern):
+    with pytest.raises(HiLoReConfigError, match=pattern):
+        autoload.engine_block({"engines": engines}, 0, "OPTForCausalLM")
+
+
+def test_settings_reach_each_training_engine_in_order(replaced, monkeypatch, capfd):
+    monkeypatch.setattr(autoload, "_TRAINING_ENGINES", autoload._TrainingEngines())
+    replaced.setenv("DS_HILORE_CONFIG", json.dumps(
+        {"force_plan": "H", "engines": {"1": {"force_plan": "R"}}}))
+    engines = []
+    for _ in range(2):  # actor, then critic
+        lm = worker.build_model("full", gc=True)
+        engines.append(deepspeed.initialize(model=lm, model_parameters=list(lm.parameters()),
+                                            config=_ds_config())[0])
+        reference = worker.build_model("full", gc=False)  # not counted: it does not train
+        deepspeed.initialize(model=reference, config=_ds_config(optimizer=False))
+    assert [e.hilore.config.force_plan for e in engines] == ["H", "R"]
+    lines = [line for line in capfd.readouterr().out.splitlines() if "HiLoRe engine" in line]
+    assert len(lines) == 2
+    assert "training engine 0" in lines[0] and "force_plan H" in lines[0] and \
+        lines[0].endswith("settings: DS_HILORE_CONFIG")
+    assert "training engine 1" in lines[1] and lines[1].endswith("settings: DS_HILORE_CONFIG engines['1']")
+    for engine in engines:
+        engine.hilore.detach()

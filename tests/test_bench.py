@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+import random
+import statistics
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from ds_hilore import cli
-from ds_hilore.bench import targets
+from ds_hilore.bench import data, paired, targets
 from ds_hilore.bench.methods import METHODS
 
+ROUNDS = 3
 EXACT = ("nogc", "gc", "sac", "block_h", "hr", "hilore_all_r", "hilore_all_h")
 RUN_KEYS = {"method", "budget", "tokens_per_s", "peak_bytes", "activation_peak_bytes",
-            "within_budget", "grad_err", "plan_mix", "gap_closed", "cpu_s", "recomputed_flops",
-            "skipped"}
+            "within_budget", "grad_err", "grad_err_microbatch", "plan_mix", "gap_closed", "cpu_s",
+            "recomputed_flops", "skipped", "vs_gc", "timed_as"}
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    argv = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--repeats", "1",
-            "--budgets", "1.10", "--codec-backend", "eager", "--threads", "1",
+    argv = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "8", "--group-size", "4",
+            "--grad-accum", "2", "--rounds", str(ROUNDS), "--budgets", "1.10",
+            "--codec-backend", "eager", "--threads", "1",
             "--json", str(out / "b.json"), "--plot", str(out / "b.png")]
     assert cli.main(argv) == 0
     with open(out / "b.json", encoding="utf-8") as handle:
@@ -37,7 +44,8 @@ def _runs(report, method):
 
 def test_schema_and_every_method(bench):
     report, out = bench
-    assert set(report) >= {"config", "host", "gc_peak_bytes", "profile_s", "runs"}
+    assert set(report) >= {"config", "host", "gc_peak_bytes", "profile_s", "runs", "rounds",
+                           "comparisons", "regime", "stop", "targets"}
     assert isinstance(report["gc_peak_bytes"], int) and report["gc_peak_bytes"] > 0
     assert report["profile_s"] > 0  # HiLoRe's warm-up was timed, on its own line
     assert (out / "b.png").stat().st_size > 0
@@ -56,7 +64,6 @@ def test_schema_and_every_method(bench):
         assert row["cpu_s"]["median"] > 0, name
         assert row["grad_err"]["mean"] >= 0 and row["grad_err"]["max"] >= row["grad_err"]["mean"]
     assert set(report["efficiency"]) == {"hilore_all_r_vs_gc", "hilore_all_h_vs_nogc"}
-    assert all(len(pair) == 2 for pair in report["overlaps"])
     offload = _runs(report, "offload")[0]
     assert "CPU" in offload["skipped"]  # meaningless on a CPU device
     ds_ac = _runs(report, "ds_ac")[0]
@@ -87,7 +94,8 @@ def test_gradient_errors(bench):
     report, _ = bench
     for name in EXACT:
         row = _runs(report, name)[0]
-        assert row["grad_err"]["max"] == 0.0, (name, row["grad_err"])
+        assert row["grad_err"]["max"] == 0.0, (name, row["grad_err"])  # the step's gradient
+        assert row["grad_err_microbatch"]["max"] == 0.0, (name, row["grad_err_microbatch"])
     all_l = _runs(report, "all_l")[0]
     assert 0 < all_l["grad_err"]["max"] < 0.1
     assert all_l["plan_mix"].get("L", 0) > 0
@@ -114,7 +122,7 @@ def test_gap_closed_formula(bench):
 
 
 def test_targets_follow_the_rows(bench):
-    """The verdict for hilore is recomputed from the rows it reports on."""
+    """The verdict for hilore is recomputed from the rows and rounds it reports on."""
     report, _ = bench
     (verdict,) = report["targets"]
     me, gc = _runs(report, "hilore")[0], _runs(report, "gc")[0]
@@ -124,68 +132,254 @@ def test_targets_follow_the_rows(bench):
     assert verdict["grad_err_mean"] == me["grad_err"]["mean"]
     assert verdict["flops_avoided"] == pytest.approx(
         1 - me["recomputed_flops"] / gc["recomputed_flops"])
-    assert verdict["gap_closed"] == pytest.approx(me["gap_closed"])
+    per_round = [(r["wall_s"]["gc"] - r["wall_s"]["hilore@1.1"])
+                 / (r["wall_s"]["gc"] - r["wall_s"]["nogc"])
+                 for r in report["rounds"] if r["wall_s"]["gc"] > r["wall_s"]["nogc"]]
+    if per_round:
+        assert verdict["gap_closed"]["median"] == pytest.approx(statistics.median(per_round))
     fits = {(r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}")
             for r in report["runs"] if not r["skipped"] and r["method"] != "hilore"
             and r["peak_bytes"] <= me["budget"] * report["gc_peak_bytes"]
             and r["grad_err"]["mean"] <= targets.ERROR_TOLERANCE}
     assert {r["run"] for r in verdict["rivals"]} == fits
+    # the decisive comparisons: gc, static at this budget, the fastest in-budget rival
+    rivals = {r["rival"] for r in verdict["decisive"]}
+    assert {"gc", "static@1.1"} <= rivals and verdict["best_rival"] in rivals
+    # 3 rounds cannot give a 95 % interval: nothing is decided, and the report says so
+    assert set(verdict["undecided"]) == rivals
+    assert report["stop"] == {"reason": "rounds",
+                              "undecided": [f"hilore@1.1 vs {r}" for r in verdict["undecided"]]}
 
 
-def test_report_reprints_a_saved_run(bench, capsys, tmp_path):
-    report, out = bench
-    assert cli.main(["bench", "--report", str(out / "b.json"), "--plot", str(tmp_path / "p.png")]) == 0
-    printed = capsys.readouterr().out
-    assert printed.startswith("method") and "targets, hilore@1.1: peak" in printed
-    assert (tmp_path / "p.png").stat().st_size > 0
+def _brute_interval(logs):
+    """The signed-rank interval by enumeration of every sign pattern (independent of the DP)."""
+    n = len(logs)
+    counts = collections.Counter(sum(r + 1 for r in range(n) if signs >> r & 1)
+                                 for signs in range(2 ** n))
+    k, cdf = 0, 0.0
+    while cdf + counts[k] / 2 ** n <= 0.025 + 1e-12:
+        cdf += counts[k] / 2 ** n
+        k += 1
+    walsh = sorted((logs[i] + logs[j]) / 2 for i in range(n) for j in range(i, n))
+    return (None, None) if k < 1 else (math.exp(walsh[k - 1]), math.exp(walsh[-k]))
 
 
-def _row(method, budget, tps, cpu, peak, err=0.0, flops=0):
-    step = [1000 / x for x in tps]
-    return {"method": method, "budget": budget, "peak_bytes": peak, "recomputed_flops": flops,
-            "grad_err": {"mean": err, "max": err},
-            "tokens_per_s": {"median": tps[1], "min": tps[0], "max": tps[2]},
-            "step_s": {"median": step[1], "min": step[2], "max": step[0]},
-            "cpu_s": {"median": cpu[1], "min": cpu[0], "max": cpu[2]}}
+def test_rounds_hold_every_raw_sample_and_rotate(bench):
+    report, _ = bench
+    rounds = report["rounds"]
+    timed = [r["timed_as"] for r in report["runs"] if not r["skipped"] and not r.get("measured_once")]
+    assert len(rounds) == ROUNDS
+    for k, record in enumerate(rounds):
+        assert sorted(record["order"]) == sorted(timed)
+        assert record["order"] == rounds[0]["order"][k:] + rounds[0]["order"][:k]  # rotating
+        assert record["step"] == k % report["config"]["batches"]  # same data for every run
+        for metric in ("wall_s", "cpu_s"):
+            assert set(record[metric]) == set(timed) and all(v > 0 for v in record[metric].values())
+    for row in report["runs"]:
+        if row["skipped"]:
+            continue
+        walls = [r["wall_s"][row["timed_as"]] for r in rounds]
+        assert row["step_s"]["median"] == pytest.approx(statistics.median(walls))
+
+
+def test_paired_ratios_and_intervals_recomputed_from_the_samples(bench):
+    report, _ = bench
+    rounds = report["rounds"]
+    labels = {(r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}"):
+              r["timed_as"] for r in report["runs"] if not r["skipped"]}
+    assert report["comparisons"]
+    for c in report["comparisons"]:
+        for key, metric in (("wall", "wall_s"), ("cpu", "cpu_s")):
+            a, b = labels[c["a"]], labels[c["b"]]
+            ratios = [r[metric][b] / r[metric][a] for r in rounds]
+            assert c[key]["n"] == ROUNDS
+            assert c[key]["median"] == pytest.approx(statistics.median(ratios))
+            low, high = _brute_interval([math.log(x) for x in ratios])
+            assert (c[key]["low"], c[key]["high"]) == (low, high)  # None, None at 3 rounds
+            assert c[key]["verdict"] == "level" and not c[key]["decided"]
+    gc = _runs(report, "gc")[0]
+    for row in report["runs"]:
+        if not row["skipped"]:
+            ratios = [r["wall_s"]["gc"] / r["wall_s"][row["timed_as"]] for r in rounds]
+            assert row["vs_gc"]["wall"]["median"] == pytest.approx(statistics.median(ratios))
+    assert gc["vs_gc"]["wall"]["median"] == 1.0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_paired_interval_matches_enumeration_and_verdict_follows_it(seed):
+    g = random.Random(seed)
+    n = g.randint(1, 12)
+    shift = g.choice([0.9, 0.97, 1.0, 1.03, 1.1])
+    mine = [g.uniform(0.8, 1.2) for _ in range(n)]  # seconds per step
+    theirs = [m * shift * g.uniform(0.95, 1.05) for m in mine]
+    c = paired.compare(mine, theirs)
+    low, high = _brute_interval([math.log(b / a) for a, b in zip(mine, theirs)])
+    assert c["low"] == pytest.approx(low) if low else c["low"] is None
+    assert c["high"] == pytest.approx(high) if high else c["high"] is None
+    if c["low"] is None or c["low"] <= 1.0 <= c["high"]:  # an interval containing 1 (or none)
+        assert c["verdict"] == "level"
+    else:
+        assert c["verdict"] == ("ahead" if c["low"] > 1 else "behind")
+
+
+def test_verdicts_on_synthetic_samples_both_ways():
+    base = [1.0, 1.1, 0.9, 1.2, 1.05, 0.95, 1.15, 0.85, 1.0, 1.1]  # seconds, a loaded machine
+    wobble = [1.01, 0.99, 1.02, 0.98, 1.0, 1.01, 0.99, 1.02, 0.98, 1.0]
+    slower = [b * 1.06 * w for b, w in zip(base, wobble)]  # the rival 6 % slower, every round
+    ahead = paired.compare(base, slower)
+    assert ahead["verdict"] == "ahead" and ahead["low"] > 1 and ahead["decided"]
+    behind = paired.compare(slower, base)
+    assert behind["verdict"] == "behind" and behind["high"] < 1 and behind["decided"]
+    assert behind["low"] == pytest.approx(1 / ahead["high"])
+    level = paired.compare(base, [b * w for b, w in zip(base, wobble)])
+    assert level["low"] < 1 < level["high"] and level["verdict"] == "level"
+    assert paired.verdict(0.99, 1.2) == "level" and paired.verdict(1.0, 1.2) == "level"
+    assert paired.verdict(1.001, 1.2) == "ahead" and paired.verdict(0.5, 0.999) == "behind"
+    assert paired.verdict(None, None) == "level"
+    few = paired.compare(base[:5], slower[:5])  # 5 rounds: no 95 % interval exists
+    assert few["low"] is None and few["verdict"] == "level" and not few["decided"]
+    assert paired.compare(base[:6], slower[:6])["low"] is not None
+    # signed-rank table (n = 10, two-sided 5 %: the 9th smallest of the 55 Walsh averages)
+    assert paired._critical_k(10, 0.95) == 9 and paired._critical_k(5, 0.95) == 0
+
+
+def _fake_report(shift_gc: float, shift_static: float, n: int) -> dict:
+    """A report of hilore, gc, nogc and static whose per-round times are fixed multiples."""
+    g = random.Random(7)
+    rounds = []
+    for k in range(n):
+        base = g.uniform(1.0, 1.5)  # the machine's load in this round
+        wobble = [1 + 0.01 * ((k * 7 + i * 3) % 5 - 2) for i in range(4)]
+        wall = {"hilore@1.1": base * wobble[0], "gc": base * shift_gc * wobble[1],
+                "nogc": base * 0.8 * wobble[2], "static@1.1": base * shift_static * wobble[3]}
+        rounds.append({"round": k, "step": 0, "order": list(wall), "wall_s": wall,
+                       "cpu_s": dict(wall)})
+
+    def row(method, budget, peak):
+        walls = [r["wall_s"][method if budget is None else f"{method}@{budget:g}"] for r in rounds]
+        return {"method": method, "budget": budget, "peak_bytes": peak, "recomputed_flops": 0,
+                "timed_as": method if budget is None else f"{method}@{budget:g}",
+                "grad_err": {"mean": 0.0, "max": 0.0},
+                "step_s": {"median": statistics.median(walls), "min": min(walls), "max": max(walls)}}
+
+    runs = [row("nogc", None, 200), row("gc", None, 100), row("static", 1.1, 105),
+            row("hilore", 1.1, 108)]
+    return {"gc_peak_bytes": 100, "rounds": rounds, "runs": runs}
 
 
 def test_targets_verdicts_on_known_numbers():
-    runs = [_row("nogc", None, (190, 200, 210), (4.6, 4.8, 5.0), 150, flops=0),
-            _row("gc", None, (140, 150, 160), (6.0, 6.2, 6.4), 100, flops=100),
-            _row("sac", None, (150, 170, 185), (5.4, 5.6, 5.8), 105, flops=10),  # ahead
-            _row("all_l", 1.1, (100, 300, 400), (3.0, 3.1, 3.2), 100, err=0.02),  # error: out
-            _row("block_h", 1.1, (170, 180, 200), (5.0, 5.2, 5.4), 108),  # inside the spread
-            _row("hilore", 1.1, (180, 190, 195), (5.0, 5.1, 5.2), 109, err=0.004, flops=30)]
-    (v,) = targets.targets({"gc_peak_bytes": 100, "runs": runs})
-    assert v["met"]["peak"] and v["met"]["grad_err"] and v["met"]["flops_avoided"]
-    assert v["flops_avoided"] == pytest.approx(0.7)
-    assert v["gap_is_real"] and v["gap_closed"] == pytest.approx((1000 / 150 - 1000 / 190)
-                                                                 / (1000 / 150 - 1000 / 200))
-    assert v["gap_closed_cpu"] == pytest.approx((6.2 - 5.1) / (6.2 - 4.8))
-    standing = {r["run"]: (r["wall"], r["cpu"]) for r in v["rivals"]}
-    assert standing == {"gc": ("ahead", "ahead"), "sac": ("ahead", "ahead"),
-                        "block_h@1.1": ("inside_spread", "inside_spread")}  # nogc: 1.5x GC
-    assert v["met"]["ahead_of_rivals"] is False
-    assert "inside the spread of block_h@1.1" in targets.targets_text([v])
-    runs[-1]["peak_bytes"] = 111
-    runs[1]["tokens_per_s"]["min"] = 120  # GC's slowest step below no-GC's fastest: no real gap
-    runs[1]["step_s"]["max"] = 1000 / 120
-    runs[1]["step_s"]["min"] = 1000 / 200
-    (v,) = targets.targets({"gc_peak_bytes": 100, "runs": runs})
-    assert v["met"]["peak"] is False and v["met"]["gap_closed"] is None
+    (v,) = targets.targets(_fake_report(shift_gc=1.10, shift_static=1.0, n=10))
+    standing = {r["run"]: r["wall"]["verdict"] for r in v["rivals"]}
+    assert standing == {"gc": "ahead", "static@1.1": "level"}  # nogc is out of budget (2x GC)
+    gc = next(r for r in v["rivals"] if r["run"] == "gc")["wall"]
+    assert gc["low"] > 1 and gc["median"] == pytest.approx(1.10, abs=0.03)
+    assert v["met"]["peak"] and v["met"]["grad_err"]
+    # level with static, but not within +-1 %: more rounds could still tell them apart
+    assert v["met"]["ahead_of_rivals"] is None and v["undecided"] == ["static@1.1"]
+    assert v["gap_closed"]["low"] <= v["gap_closed"]["median"] <= v["gap_closed"]["high"]
+    text = targets.targets_text([v])
+    assert "hilore@1.1 vs gc: ahead (x1." in text and "vs static@1.1: level" in text
+    assert "95 % CI" in text
+    (v,) = targets.targets(_fake_report(shift_gc=1.10, shift_static=1.0, n=4))
+    assert all(r["wall"]["verdict"] == "level" for r in v["rivals"])  # too few rounds
+    assert v["met"]["ahead_of_rivals"] is None and set(v["undecided"]) == {"gc", "static@1.1"}
+
+
+def test_adaptive_rounds_stop_when_decided_or_out_of_time(monkeypatch):
+    from ds_hilore.bench import frontier
+
+    full = _fake_report(shift_gc=1.10, shift_static=1.10, n=40)
+
+    def one_round(live, index, data, step_index):
+        return full["rounds"][index]
+
+    def provisional(records):
+        return dict(full, rounds=records)
+
+    monkeypatch.setattr(frontier, "_one_round", one_round)
+    config = {"rounds": "auto", "max_minutes": None}
+    records, stop = frontier._rounds([None], [[]], config, time.perf_counter(), provisional)
+    assert stop == {"reason": "decided", "undecided": []}
+    assert len(records) == paired.MIN_ROUNDS  # decided as soon as an interval exists
+    level = _fake_report(shift_gc=1.10, shift_static=1.0, n=40)  # static level: never decided
+    monkeypatch.setattr(frontier, "_one_round", lambda live, i, d, s: level["rounds"][i])
+    config = {"rounds": "auto", "max_minutes": 1.0}
+    records, stop = frontier._rounds([None], [[]], config, time.perf_counter() - 59.0,
+                                     lambda recs: dict(level, rounds=recs))
+    assert stop["reason"] == "max_minutes" and len(records) == 1  # one more round would pass it
+    records, stop = frontier._rounds([None], [[]], {"rounds": 8, "max_minutes": None},
+                                     time.perf_counter(), lambda recs: dict(level, rounds=recs))
+    assert len(records) == 8 and stop["reason"] == "rounds"
+
+
+# ---------------------------------------------------------------------------------- data
+def _steps(**flags):
+    shape = data.GrpoShape(**{"micro_batch": 8, "seq_len": 64, "group_size": 4, "grad_accum": 3,
+                              "zero_adv_share": 0.5, "clip_share": 0.2, **flags})
+    return shape, data.grpo_steps(shape, vocab=100, steps=3, seed=5)
+
+
+def test_grpo_data_is_what_the_flags_say():
+    shape, steps = _steps()
+    again = _steps()[1]
+    for step_a, step_b in zip(steps, again):  # pure: same arguments, same tensors
+        for a, b in zip(step_a, step_b):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    for micro_batches in steps:
+        assert len(micro_batches) == shape.grad_accum
+        groups = torch.cat([m["group"] for m in micro_batches])
+        adv = torch.cat([m["advantages"] for m in micro_batches])
+        for m in micro_batches:
+            assert m["input_ids"].shape == (shape.micro_batch, shape.seq_len)
+            assert m["mask"].shape == m["old_offset"].shape == (shape.micro_batch, shape.seq_len - 1)
+            _, sizes = torch.unique_consecutive(m["group"], return_counts=True)
+            assert (sizes == shape.group_size).all()  # whole groups inside one microbatch
+            prompt = shape.seq_len // 4
+            assert m["mask"][:, : prompt - 1].sum() == 0 and (m["mask"].sum(1) > 0).all()
+            assert (m["old_offset"][m["mask"] == 0] == 0).all()
+            assert data.exposure(m) == pytest.approx((m["advantages"].abs() * m["mask"].sum(1)).tolist())
+        n_groups = len(groups.unique())
+        zero = [k for k in groups.unique() if (adv[groups == k] == 0).all()]
+        assert len(zero) == round(shape.zero_adv_share * n_groups)
+        assert all((adv[groups == k] != 0).all() for k in groups.unique() if k not in zero)
+        mask = torch.cat([m["mask"] for m in micro_batches]).bool()
+        ratio = torch.exp(-torch.cat([m["old_offset"] for m in micro_batches]))[mask]
+        clipped = ((ratio < 1 - data.EPSILON_LOW) | (ratio > 1 + data.EPSILON_HIGH)).sum()
+        assert int(clipped) == round(shape.clip_share * int(mask.sum()))  # drawn per step
+        lengths = mask.sum(1)
+        assert len(lengths.unique()) > 1  # varied response lengths
+
+
+def test_grpo_data_filtered_variant_drops_every_zero_advantage():
+    shape, full = _steps()
+    _, kept = _steps(drop_zero_advantage=True)
+    for step_full, step_kept in zip(full, kept):
+        adv = torch.cat([m["advantages"] for m in step_full])
+        ids = torch.cat([m["input_ids"] for m in step_full])
+        got = torch.cat([m["advantages"] for m in step_kept])
+        assert (got != 0).all() and torch.equal(got, adv[adv != 0])
+        assert torch.equal(torch.cat([m["input_ids"] for m in step_kept]), ids[adv != 0])
+        assert all(len(m["advantages"]) <= shape.micro_batch for m in step_kept)
+        assert all(len(m["advantages"]) == shape.micro_batch for m in step_kept[:-1])
 
 
 @pytest.mark.parametrize("flags, words", [
     (["--methods", "nogc,bogus"], ["bogus", "allowed", "hilore", "block_h"]),
     (["--model", "no-such-preset"], ["no-such-preset", "allowed", "qwen2.5-0.5b"]),
-    (["--budgets", "1.1,0.9"], ["0.9", ">= 1.0"]),
+    (["--budgets", "1.1,0.9"], ["--budgets", "0.9", ">= 1.0"]),
+    (["--group-size", "3"], ["--group-size 3", "--micro-batch 4", "allowed", "1,2,4"]),
+    (["--rounds", "zero"], ["--rounds", "allowed", "auto"]),
+    (["--clip-share", "1.5"], ["--clip-share 1.5", "allowed", "between 0 and 1"]),
+    (["--drop-zero-advantage", "--zero-adv-share", "1"], ["--zero-adv-share", "allowed"]),
     (["--no-model"], ["--model is required", "--report"]),
     (["--report", "/nonexistent/b.json"], ["--report", "not a readable hilore bench report"]),
 ])
 def test_bad_flags_exit_2(capsys, flags, words):
-    argv = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "4"]
+    argv = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
+    if "--group-size" in flags:
+        argv = argv[:-2]
     if "--model" in flags or flags == ["--no-model"]:
-        argv = ["bench", "--seq-len", "32", "--micro-batch", "4"]
+        argv = ["bench", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
         flags = [f for f in flags if f != "--no-model"]
     assert cli.main(argv + flags) == 2
     err = capsys.readouterr().err.strip()
@@ -199,7 +393,8 @@ def test_ds_ac_with_a_one_rank_group(tmp_path):
     out = tmp_path / "ds.json"
     proc = subprocess.run(
         [sys.executable, "-m", "ds_hilore.cli", "bench", "--model", "tiny", "--seq-len", "32",
-         "--micro-batch", "4", "--repeats", "1", "--methods", "nogc,gc,ds_ac", "--ds-init",
+         "--micro-batch", "4", "--group-size", "2", "--repeats", "1", "--methods", "nogc,gc,ds_ac",
+         "--ds-init",
          "--threads", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, DS_ACCELERATOR="cpu"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -217,10 +412,91 @@ def test_local_checkpoint_directory(tmp_path):
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
     out = tmp_path / "local.json"
     argv = ["bench", "--model", str(tmp_path / "ckpt"), "--layers", "1", "--seq-len", "16",
-            "--micro-batch", "2", "--repeats", "1", "--methods", "nogc,gc,hilore_all_r",
+            "--micro-batch", "2", "--group-size", "2", "--repeats", "1",
+            "--methods", "nogc,gc,hilore_all_r",
             "--budgets", "1.2", "--threads", "1", "--codec-backend", "eager", "--json", str(out)]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["config"]["layers_built"] == 1
     assert {r["method"] for r in report["runs"]} == {"nogc", "gc", "hilore_all_r"}
     assert _runs(report, "hilore_all_r")[0]["grad_err"]["max"] == 0.0
+
+
+def test_device_check_runs_on_cpu(tmp_path, capsys):
+    """The GPU script's exactness and memory check, run here on the CPU (fp32): H and R are
+    bitwise equal to GC, and HiLoRe's metered peak is within the budget."""
+    from ds_hilore.bench import device_check
+
+    out = tmp_path / "check.json"
+    code = device_check.main(["--device", "cpu", "--dtype", "fp32", "--codec-backend", "eager",
+                              "--seq-len", "32", "--json", str(out)])
+    result = json.loads(out.read_text())
+    exact = result["exactness"]
+    assert exact["deterministic"] and exact["gc_vs_gc_max_abs"] == 0.0
+    for method in ("hilore_all_h", "hilore_all_r"):
+        assert exact[method]["max_abs_vs_gc"] == 0.0 and exact[method]["ok"], method
+    memory = result["memory"]
+    assert "reserved" not in memory["hilore"]  # CUDA only
+    assert memory["allocated_ratio"] == pytest.approx(
+        memory["hilore"]["allocated"] / memory["gc"]["allocated"])
+    assert memory["allocated_ok"] == (memory["allocated_ratio"] <= 1.10)
+    assert code == (0 if result["ok"] else 1)
+    assert "hilore_all_r vs GC: max |diff| 0 (ok)" in capsys.readouterr().out
+
+
+def test_plot_styles_are_distinct_per_method():
+    from ds_hilore.bench import report
+
+    styles = report._STYLE[: len(METHODS)]
+    assert len(styles) == len(METHODS)  # one style per registered method
+    assert len({s[:-1] for s in styles}) == len(styles) and len({s[-1] for s in styles}) == len(styles)
+
+
+@pytest.mark.parametrize("script", ["gpu.sh", "gpu_wheels.sh"])
+def test_gpu_scripts_parse(script):
+    """The one-shot GPU scripts cannot run here (no GPU): they must at least parse, and pass
+    shellcheck where it is installed."""
+    import shutil
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "bench", script)
+    assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0
+    text = open(path, encoding="utf-8").read()
+    assert "set -euo pipefail" in text and "torch==" not in text  # never reinstalls torch
+    if shutil.which("shellcheck"):
+        proc = subprocess.run(["shellcheck", path], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout
+
+
+def test_each_forward_is_preceded_by_its_predicted_exposure():
+    """The bench hands HiLoRe |A_i| x response tokens of the next microbatch (and the step's
+    total) through the runtime's public ``expect``, before that microbatch's forward."""
+    from ds_hilore.bench import frontier
+    from ds_hilore.bench.methods import Context
+    from ds_hilore.bench.runs import Run, build_model, step
+
+    config = {"model": "tiny", "layers": None, "full": False, "dtype": "fp32", "device": "cpu",
+              "lora_r": 4, "seed": 0, "batches": 1, "seq_len": 16, "micro_batch": 4,
+              "group_size": 2, "grad_accum": 3, "zero_adv_share": 0.5, "clip_share": 0.1,
+              "drop_zero_advantage": False}
+    model = build_model(config)
+    (micro_batches,) = frontier.make_steps(model, config)
+    events = []
+
+    class Recorder:
+        def expect(self, exposure, step_exposure=None):
+            events.append(("expect", exposure, step_exposure))
+
+        def end_step(self):
+            events.append(("end_step",))
+
+    model.register_forward_pre_hook(lambda module, args: events.append(("forward",)))
+    step(Run("x", None, model=model, context=Context(runtime=Recorder())), micro_batches,
+         optimize=False)
+    total = sum(float((m["advantages"].abs() * m["mask"].sum(1)).sum()) for m in micro_batches)
+    expected, zeros = [], 0
+    for m in micro_batches:
+        exposure = (m["advantages"].abs() * m["mask"].sum(1)).tolist()
+        zeros += exposure.count(0.0)
+        expected += [("expect", pytest.approx(exposure), pytest.approx(total)), ("forward",)]
+    assert events == expected + [("end_step",)]
+    assert zeros == 3 * 2  # 3 of the step's 6 groups have A = 0: predicted exactly 0

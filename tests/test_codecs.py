@@ -46,7 +46,26 @@ def per_element_scale(p: Packed) -> torch.Tensor:
     return p.scales.double()[:, cols]
 
 
-@pytest.fixture(scope="module", params=["eager", "compile"])
+# where the library's own probe says inductor cannot compile here, compiled tests are skipped
+COMPILE_UNAVAILABLE = codecs.compile_unavailable("cpu")
+needs_compile = pytest.mark.skipif(COMPILE_UNAVAILABLE is not None,
+                                   reason=f"codec_backend 'compile' unavailable: {COMPILE_UNAVAILABLE}")
+
+
+def registry_kernels():
+    return [k for spec in CODECS.values()
+            for k in (spec.encode, spec.decode, spec.encode_ragged, spec.decode_ragged) if k]
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels_never_fell_back():
+    """A compiled test must not pass on a silent fallback to the eager kernels."""
+    yield
+    if COMPILE_UNAVAILABLE is None:
+        assert {k.name: k.failure for k in registry_kernels() if k.failure} == {}
+
+
+@pytest.fixture(scope="module", params=["eager", pytest.param("compile", marks=needs_compile)])
 def backend(request):
     return request.param
 
@@ -163,6 +182,7 @@ def test_empty_tensors_pack_to_their_statistics_only():
 
 # ---- eager vs compiled ------------------------------------------------------------------
 
+@needs_compile
 # Both backends run the same IEEE operations (exact amax, one correctly rounded division,
 # round-half-even / RNE fp8 cast), so payloads, scales and unpacked tensors agree bitwise.
 # rel_error is a sum of fp32 row sums (in units of the row scale), accumulated in a
@@ -182,6 +202,7 @@ def test_compiled_and_eager_agree_bitwise(name, options, label, dtype):
     assert torch.equal(eager.unpack(pc), compiled.unpack(pe))  # packed data is portable
 
 
+@needs_compile
 def test_compiled_kernels_do_not_recompile_for_new_shapes():
     codecs_ = [get_codec(n, "compile", **o) for n, o, _ in VARIANTS]
     for c in codecs_:  # first shapes: compile (or find) the graphs
@@ -202,6 +223,7 @@ def test_compiled_kernels_do_not_recompile_for_new_shapes():
     assert compiled_graph_counts() == before
 
 
+@needs_compile
 def test_compiled_codec_works_inside_saved_tensor_hooks_and_backward():
     codec = get_codec("int8", "compile")
     w = torch.randn(64, 64, requires_grad=True)
@@ -213,6 +235,7 @@ def test_compiled_codec_works_inside_saved_tensor_hooks_and_backward():
     assert true_rel_error(exact, approx) < 0.05
 
 
+@needs_compile
 def test_under_a_dispatch_mode_compiled_codec_runs_chunked_eager_with_small_peak():
     codec = get_codec("int8", "compile")
     x = gaussian(4096, 1024)  # 16 MiB fp32
@@ -254,6 +277,7 @@ def test_zero_rows_unpack_to_exact_zeros(backend, name, options, label):
     assert zero.rel_error == 0.0 and torch.equal(codec.unpack(zero), torch.zeros(8, 256))
 
 
+@needs_compile
 def test_tiny_and_huge_rows_keep_finite_errors():
     codec = get_codec("int8", "compile")
     x = gaussian(4, 512)
@@ -313,6 +337,79 @@ def test_compile_failure_falls_back_to_eager_and_logs_once(caplog, monkeypatch):
     assert torch.equal(second.payload, first.payload)
     assert "no C++ compiler" in spec.encode.failure
     assert len([r for r in caplog.records if "torch.compile of codec kernel" in r.message]) == 1
+
+
+def _fresh_int8(monkeypatch, inductor):
+    """An int8 codec whose encoder is a kernel of its own, compiled by ``inductor``."""
+    def enc(x):  # its own code object: dynamo state of the real kernels stays untouched
+        return codecs._encode_rows(x, codecs.INT8_MAX, codecs._int8_grid)
+
+    kernel = codecs._Kernel(enc, unbacked=True)
+    monkeypatch.setattr(kernel, "_inductor", inductor)
+    spec = codecs.CodecSpec(payload_dtype=torch.int8, qmax=codecs.INT8_MAX, encode=kernel,
+                            decode=CODECS["int8"].decode, summary="test")
+    return codecs.Codec("int8", spec, "compile", {}), kernel
+
+
+def _fallback_warnings(caplog) -> list[str]:
+    return [r.message for r in caplog.records if "torch.compile of codec kernel" in r.message]
+
+
+def test_a_compiled_kernel_that_runs_uncompiled_is_said_once(caplog, monkeypatch):
+    def never(gm, example_inputs):
+        raise AssertionError("the stance forbids compiling")
+
+    codec, kernel = _fresh_int8(monkeypatch, never)
+    x = gaussian(32, 64)
+    with caplog.at_level(logging.WARNING, logger="ds_hilore.runtime.codecs"), \
+            torch.compiler.set_stance("force_eager"):  # compiled functions run their Python
+        first, second = codec.pack(x), codec.pack(x)
+    assert torch.equal(first.payload, get_codec("int8").pack(x).payload)
+    assert torch.equal(second.payload, first.payload)
+    assert kernel.failure is not None and "without compiling" in kernel.failure
+    assert len(_fallback_warnings(caplog)) == 1
+
+
+def test_compile_unavailable_here_is_said_once_and_runs_eager(caplog, monkeypatch):
+    def never(gm, example_inputs):
+        raise AssertionError("compiled although the probe said it cannot be")
+
+    monkeypatch.setattr(codecs, "compile_unavailable", lambda device_type: "no C++ compiler on PATH")
+    codec, kernel = _fresh_int8(monkeypatch, never)
+    x = gaussian(32, 64)
+    with caplog.at_level(logging.WARNING, logger="ds_hilore.runtime.codecs"):
+        for _ in range(3):
+            assert torch.equal(codec.pack(x).payload, get_codec("int8").pack(x).payload)
+    assert kernel.failure == "no C++ compiler on PATH"
+    warnings = _fallback_warnings(caplog)
+    assert len(warnings) == 1 and "no C++ compiler on PATH" in warnings[0]
+
+
+class _CountedCalls:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+        self.__name__ = fn.__name__
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("device, shape, calls", [("cpu", (4096, 1024), 16), ("meta", (16384, 4096), 4)])
+def test_eager_chunks_are_cache_sized_on_a_cpu_and_few_on_an_accelerator(device, shape, calls):
+    # CPU: 2^18-element chunks stay in cache; elsewhere (a meta tensor stands for an
+    # accelerator's: no data) 2^24-element chunks: 2^26 elements in 4, not 256 launch-bound
+    encode, decode = (_CountedCalls(k.fn) for k in (CODECS["int8"].encode, CODECS["int8"].decode))
+    spec = codecs.CodecSpec(payload_dtype=torch.int8, qmax=codecs.INT8_MAX,
+                            encode=codecs._Kernel(encode, unbacked=True),
+                            decode=codecs._Kernel(decode, unbacked=False), summary="test")
+    codec = codecs.Codec("int8", spec, "eager", {})
+    x = torch.empty(shape, device=device)
+    if device == "cpu":
+        x.normal_()
+    p = codec.pack_async(x)
+    codec.unpack(p)
+    assert (encode.calls, decode.calls) == (calls, calls)
 
 
 def test_out_of_memory_in_a_compiled_codec_is_raised_not_hidden(monkeypatch):

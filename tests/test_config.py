@@ -14,6 +14,7 @@ from ds_hilore.config import ACTIONS, LOW_PRECISION, HiLoReConfig
 
 CONTRACT_DEFAULTS = {
     "enabled": True,
+    "activate": "auto",  # always for attach / initialize, the script's choice otherwise
     "memory_budget": 1.10,
     "memory_budget_bytes": None,
     "memory_fraction": None,
@@ -332,6 +333,7 @@ ENUMS = {
     "codec_backend": ["eager", "compile"],
     "fp8_scaling": ["token", "block"],
     "exposure_source": ["auto", "analytic", "hidden_grad"],
+    "activate": ["auto", "always", "with_checkpointing"],
 }
 
 
@@ -499,3 +501,79 @@ def test_assignment_is_validated_and_a_rejected_value_changes_nothing():
     assert 'Did you mean "memory_budget"?' in checked_message(info.value)
     assert config.memory_budget == 1.1 and "memory_budget" not in config.model_fields_set
     assert config.to_dict() == HiLoReConfig(memory_budget_bytes=10**9, force_plan={"*": "H"}).to_dict()
+
+
+def test_reading_a_config_imports_neither_deepspeed_nor_torch():
+    """``import ds_hilore`` and its config must not import DeepSpeed (vLLM's import order)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ds_hilore; c = ds_hilore.HiLoReConfig.from_ds_config({'hilore': {}}); "
+            "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# ---- names that match nothing: HiLoReConfigErrors at start -------------------------------
+# A glob or child name that matches nothing in the model is a config error (it names the key),
+# raised when the names can first be checked: at attach / initialize for transformers models
+# (the probe forward finds every unit) and for any model with attn_children / mlp_children;
+# at the first training forward for other modules, whose units are found there. It is also a
+# HiLoReError, as it was, so either except clause catches it.
+_EXACT_BLOCK = {"low_precision": "none", "derive_pointwise": False}
+
+
+def _attach_error(model, **block):
+    import ds_hilore
+    from ds_hilore._errors import HiLoReError
+
+    with pytest.raises(HiLoReConfigError) as err:
+        ds_hilore.attach(model, dict(_EXACT_BLOCK, **block))
+    assert isinstance(err.value, HiLoReError)
+    return str(err.value)
+
+
+def test_a_force_plan_glob_matching_no_unit_fails_at_attach():
+    from tests.models import tiny_model
+
+    message = _attach_error(tiny_model("llama"), force_plan={"model.layers.*.attention": "H"})
+    assert "hilore.force_plan" in message and "model.layers.*.attention" in message
+    assert "model.layers.0.attn" in message  # what unit names look like
+
+
+def test_a_layer_pattern_matching_nothing_fails_at_attach():
+    from tests.models import tiny_model
+
+    message = _attach_error(tiny_model("llama"), layer_pattern="model.decoder.*")
+    assert "hilore.layer_pattern" in message and "model.decoder.*" in message
+
+
+@pytest.mark.parametrize("children, needle", [
+    ({"attn_children": ["input_layernorm", "self_attn"], "mlp_children": ["mlp"]},
+     "post_attention_layernorm"),  # a child in neither list
+    ({"attn_children": ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"],
+      "mlp_children": ["nothing"]}, "no mlp sub-block"),
+    ({"attn_children": ["post_attention_layernorm", "self_attn"],
+      "mlp_children": ["input_layernorm", "mlp"]}, "must all run before"),  # not contiguous
+], ids=["unmapped", "empty-unit", "order"])
+def test_bad_attn_or_mlp_children_fail_at_attach(children, needle):
+    from tests.models import tiny_model
+
+    message = _attach_error(tiny_model("llama", layers=1), **children)
+    assert needle in message and "hilore.attn_children" in message
+
+
+def test_a_plain_module_checks_force_plan_at_its_first_training_forward():
+    import torch
+
+    import ds_hilore
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(),
+                                                      torch.nn.Linear(8, 8)) for _ in range(2))).train()
+    runtime = ds_hilore.attach(model, dict(_EXACT_BLOCK, layer_pattern="[0-9]",
+                                           force_plan={"*.attention": "H"}))
+    assert runtime.units == ()  # no probe input for a plain module: units come at first use
+    with pytest.raises(HiLoReConfigError, match=r"hilore.force_plan .*\*\.attention"):
+        model(torch.randn(2, 3, 8, requires_grad=True))

@@ -1,15 +1,20 @@
-"""A DeepSpeed-Chat-style GRPO script, unchanged, under ``deepspeed --module ds_hilore.run``.
+"""A DeepSpeed-Chat-step-3-shaped script, unchanged, under ``deepspeed --module ds_hilore.run``.
 
-tests/workers/dschat_grpo_worker.py calls plain ``deepspeed.initialize`` for an actor (client
-optimizer, ZeRO-2) and a reference model (no optimizer), and switches the actor's gradient
-checkpointing off around generation and on for the update every iteration, as DeepSpeed-Chat's
-step 3 does. It runs twice on 2 CPU ranks (3 iterations of 2 micro-steps each):
+tests/workers/dschat_grpo_worker.py builds what DeepSpeed-Chat's ``DeepSpeedRLHFEngine`` builds
+with plain ``deepspeed.initialize`` calls: an actor and a critic that train (the critic a
+``RewardModel`` trained through ``forward_value``, which never calls the critic module), and a
+reference, a reward and an EMA engine that do not; it switches the actor's checkpointing off
+around generation and on for the update every iteration, and updates the EMA with
+DeepSpeed-Chat's ``moving_average``. Each launch runs 2 CPU ranks, 3 iterations of 2 micro-steps:
 
-* ``deepspeed script.py``: transformers' gradient checkpointing, no ds_hilore;
-* ``DS_HILORE_CONFIG='{"force_plan": "H"}' deepspeed --module ds_hilore.run script.py``.
+* ZeRO-2: the script alone (critic checkpointing on) against ``force_plan: "H"`` with a block
+  for the critic alone, and against the planner with the critic's checkpointing left off;
+* ZeRO-3 with DeepSpeed-Chat-style LoRA on the actor: the script alone against the planner
+  (``low_precision: "none"``: every plan is H/R, exact), the critic asked in for HiLoRe.
 
-The second keeps every activation, so every micro-step's loss, every reward and the final
-parameters are bitwise those of the first. ~30-60 s per launch on 2 cores.
+Every plan here keeps or recomputes exactly, so every loss, reward and final weight (EMA
+included) is bitwise that of the script alone, and under ZeRO-3 so is every parameter's status
+after every micro-step. ~1-2 min per launch on 2 cores.
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS, UNITS = 3, 4  # iterations; 2 layers x (attn, mlp)
 
 
-def launch(*, under_run: bool, env: dict[str, str], nprocs: int = 2, timeout: float = 300) -> list[dict]:
-    """``deepspeed [--module ds_hilore.run] WORKER`` on ``nprocs`` CPU ranks; each rank's report."""
+def launch(*, under_run: bool, env: dict[str, str], args: tuple[str, ...] = (), nprocs: int = 2,
+           timeout: float = 300, said: list | None = None) -> list[dict]:
+    """``deepspeed [--module ds_hilore.run] WORKER ARGS`` on ``nprocs`` CPU ranks; each rank's
+    report (the launcher's and the ranks' output appended to ``said``)."""
     work = Path(tempfile.mkdtemp(prefix="hilore_dschat_"))
     result_dir, log_dir = work / "results", work / "logs"
     result_dir.mkdir()
     log_dir.mkdir()
     target = ["--module", "ds_hilore.run", worker.__file__] if under_run else [worker.__file__]
     cmd = [str(_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-           f"--enable_each_rank_log={log_dir}", *target, "--steps", str(STEPS), "--result_dir", str(result_dir)]
+           f"--enable_each_rank_log={log_dir}", *target, "--steps", str(STEPS), *args,
+           "--result_dir", str(result_dir)]
     environ = {k: v for k, v in _environment().items() if k not in ("DS_HILORE", "DS_HILORE_CONFIG")}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**environ, **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -50,6 +58,8 @@ def launch(*, under_run: bool, env: dict[str, str], nprocs: int = 2, timeout: fl
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout:.0f} s\n{_all_output(output, log_dir)}")
+    if said is not None:
+        said.append(_all_output(output, log_dir))
     try:
         if proc.returncode != 0:
             pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}\n{_all_output(output, log_dir)}")
@@ -58,29 +68,108 @@ def launch(*, under_run: bool, env: dict[str, str], nprocs: int = 2, timeout: fl
         shutil.rmtree(work, ignore_errors=True)
 
 
+ZERO3 = ("--zero_stage", "3", "--actor_lora_dim", "4")
+EXACT_PLANNER = {"low_precision": "none"}  # the planner, H and R only
+
+
+def _said(output: str, what: str) -> list[str]:
+    return [line for line in output.splitlines() if what in line]
+
+
 @pytest.fixture(scope="module")
-def runs():
-    gc = launch(under_run=False, env={})
-    hilore = launch(under_run=True, env={"DS_HILORE_CONFIG": '{"force_plan": "H"}'})
-    return gc, hilore
+def zero2():
+    said: list[str] = []
+    gc = launch(under_run=False, env={}, args=("--critic_gradient_checkpointing",))
+    forced = launch(under_run=True, args=("--critic_gradient_checkpointing",), said=said, env={
+        "DS_HILORE_CONFIG": json.dumps({"force_plan": "H", "engines": {"RewardModel": {"log_interval": 1}}})})
+    planned = launch(under_run=True, env={"DS_HILORE_CONFIG": json.dumps(EXACT_PLANNER)})
+    return gc, forced, planned, said[0]
 
 
-def test_plain_launch_is_untouched(runs):
-    for rank in runs[0]:
-        assert rank["actor_class"] == "DeepSpeedEngine" and not rank["initialize_replaced"]
-        assert not rank["ds_hilore_imported"] and rank["hilore_stats"] is None
+@pytest.fixture(scope="module")
+def zero3():
+    gc = launch(under_run=False, env={}, args=ZERO3)
+    planned = launch(under_run=True, args=ZERO3, env={"DS_HILORE_CONFIG": json.dumps(
+        {**EXACT_PLANNER, "engines": {"RewardModel": {"activate": "always"}}})})
+    return gc, planned
+
+
+def _bitwise(gc: dict, hilore: dict) -> None:
+    for key in ("losses", "critic_losses", "rewards", "param_sha"):
+        assert hilore[key] == gc[key], key
+    assert len(gc["losses"]) == STEPS * worker.GAS
+
+
+def test_plain_launch_is_untouched(zero2):
+    for rank in zero2[0]:
+        assert set(rank["classes"].values()) == {"DeepSpeedEngine"} and not rank["initialize_replaced"]
+        assert not rank["ds_hilore_imported"] and set(rank["hilore"].values()) == {None}
         assert rank["toggles"] == [True] * STEPS
 
 
-def test_under_ds_hilore_run_the_trajectory_is_bitwise_gc(runs):
-    for gc, hilore in zip(*runs, strict=True):
-        assert hilore["actor_class"] == "HiLoReDeepSpeedEngine" and hilore["initialize_replaced"]
-        assert hilore["reference_class"] == "DeepSpeedEngine" and not hilore["reference_hilore"]
-        assert hilore["toggles"] == [True] * STEPS  # re-enabled every iteration, HiLoRe still on
-        assert hilore["losses"] == gc["losses"] and len(gc["losses"]) == STEPS * worker.GAS
-        assert hilore["rewards"] == gc["rewards"]  # generation with checkpointing off: same samples
-        assert hilore["param_sha"] == gc["param_sha"]
-        stats = hilore["hilore_stats"]  # the last step: every unit H in both micro-steps
-        assert stats["actions"]["H"] == worker.GAS * UNITS and stats["recomputed_units"] == 0
-        assert stats["exposure_sources"] == ["hidden_grad"]  # the script's own loss
-    assert runs[1][0]["param_sha"] == runs[1][1]["param_sha"]
+def test_training_engines_get_hilore_the_others_stay_plain(zero2):
+    for rank in zero2[1]:
+        assert rank["initialize_replaced"]
+        assert rank["classes"] == {"actor": "HiLoReDeepSpeedEngine", "critic": "HiLoReDeepSpeedEngine",
+                                   "reference": "DeepSpeedEngine", "ema": "DeepSpeedEngine",
+                                   "reward": "DeepSpeedEngine"}
+        assert rank["toggles"] == [True] * STEPS  # re-enabled every iteration, HiLoRe still on
+
+
+def test_force_plan_h_is_bitwise_the_script_alone_ema_included(zero2):
+    gc, forced, _, _ = zero2
+    for plain, hilore in zip(gc, forced, strict=True):
+        _bitwise(plain, hilore)
+        for name in ("actor", "critic"):  # the last step: every unit H in both micro-steps
+            stats = hilore["hilore"][name]
+            assert stats["actions"]["H"] == worker.GAS * UNITS and stats["recomputed_units"] == 0, name
+    assert forced[0]["param_sha"] == forced[1]["param_sha"]
+
+
+def test_settings_per_engine_reach_the_engine_they_name(zero2):
+    _, forced, _, said = zero2
+    for rank in forced:
+        assert rank["hilore"]["critic"]["config"]["log_interval"] == 1
+        assert rank["hilore"]["actor"]["config"]["log_interval"] == 0
+        assert {rank["hilore"][name]["config"]["force_plan"] for name in ("actor", "critic")} == {"H"}
+    start = _said(said, "ds_hilore: HiLoRe engine")
+    assert len(start) == 2 and all("[Rank 0]" in line for line in start)  # rank 0 only
+    assert "Qwen2ForCausalLM (training engine 0): 4 units in 2 decoder layers" in start[0]
+    assert start[0].endswith("settings: DS_HILORE_CONFIG")
+    assert "RewardModel (training engine 1): 4 units in 2 decoder layers " \
+        "(rwtransformer.layers.0.attn" in start[1]
+    assert start[1].endswith("settings: DS_HILORE_CONFIG engines['RewardModel']")
+    steps = _said(said, "ds_hilore step")  # the critic's log_interval 1: one line per step, rank 0
+    assert [line.split("ds_hilore step ")[1].split(" (")[0] for line in steps] == ["1", "2", "3"]
+    assert all("RewardModel (training engine 1)" in line for line in steps)
+
+
+def test_a_critic_without_checkpointing_recomputes_nothing(zero2):
+    gc, _, planned, _ = zero2
+    for plain, hilore in zip(gc, planned, strict=True):
+        _bitwise(plain, hilore)  # the script alone checkpointed its critic: the same numbers
+        critic = hilore["hilore"]["critic"]
+        assert not critic["enabled"] and critic["recomputed_units"] == 0 and critic["actions"] == {}
+        assert hilore["hilore"]["actor"]["planned"] == ["4x16"]
+
+
+def test_zero3_planned_actor_and_critic_are_bitwise_the_script_alone(zero3):
+    gc, planned = zero3
+    for plain, hilore in zip(gc, planned, strict=True):
+        _bitwise(plain, hilore)
+        for name in ("actor", "critic"):  # the critic through forward_value: planned too
+            assert hilore["hilore"][name]["planned"] == ["4x16"], name
+        assert hilore["hilore"]["critic"]["enabled"]
+
+
+def test_zero3_parameter_states_after_every_micro_step_are_deepspeeds(zero3):
+    """The plan changes (profiling, then the plan, leave-one-out) re-record ZeRO-3's trace; the
+    persistent parameters must still be where DeepSpeed alone leaves them."""
+    gc, planned = zero3
+    for plain, hilore in zip(gc, planned, strict=True):
+        assert len(plain["ds_status"]) == STEPS * worker.GAS
+        for micro, (expected, got) in enumerate(zip(plain["ds_status"], hilore["ds_status"], strict=True)):
+            for engine in ("actor", "critic", "ema"):
+                differ = {n: (expected[engine][n], got[engine][n]) for n in expected[engine]
+                          if expected[engine][n] != got[engine][n]}
+                assert not differ, (micro, engine, differ)

@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,57 @@ def test_end_step_once_per_optimizer_step(gc_reference):
     assert calls == [1, 2]
     assert engine.hilore.stats["actions"] == {"H": 8, "L": 0, "R": 0, "E": 0}  # last step: 2 x 4 units
     assert engine.hilore.stats["recomputed_units"] == 0
+
+
+def _said(capfd) -> list[str]:
+    """ds_hilore's lines on DeepSpeed's logger (or printed by it, at its default level)."""
+    return [line for line in capfd.readouterr().out.splitlines() if "ds_hilore" in line]
+
+
+def test_start_line_and_step_lines_are_said_on_rank_0(capfd):
+    engine = make(ds_config(log_interval=1))
+    start = [line for line in _said(capfd) if "HiLoRe engine" in line]
+    assert len(start) == 1 and "[Rank 0]" in start[0]
+    assert "Qwen2ForCausalLM: 4 units in 2 decoder layers " \
+        "(model.layers.0.attn .. model.layers.1.mlp)" in start[0]
+    assert "budget hilore.memory_budget = 1.1" in start[0] and "; on;" in start[0]
+    assert start[0].endswith('settings: the ds_config\'s "hilore" block')
+    run(engine)
+    steps = [line for line in _said(capfd) if "ds_hilore step" in line]
+    assert [line.split("ds_hilore step ")[1].split(" ")[0] for line in steps] == ["1", "2"]
+    for line in steps:  # the step's mix (2 micro-steps x 4 units), peak vs budget, error
+        mix = re.search(r": actions H (\d+) L (\d+) R (\d+) E (\d+) \(units x microbatches\)", line)
+        assert mix and sum(map(int, mix.groups())) == 8, line
+        assert re.search(r"; peak [\d.]+ MiB (of budget [\d.]+ MiB|\(budget: once the shape is "
+                         r"profiled\)); est\. error ", line), line
+
+
+def test_step_lines_follow_log_interval(capfd):
+    engine = make(ds_config(force_plan="H", log_interval=2))
+    run(engine)
+    assert [line.split("ds_hilore step ")[1].split(" ")[0] for line in _said(capfd)
+            if "ds_hilore step" in line] == ["2"]
+
+
+def test_deepspeeds_info_level_logs_the_lines(capfd):
+    """With "log_level": "info" DeepSpeed's logger lets INFO through: the lines are logged
+    there (and not printed as well)."""
+    from deepspeed.utils import logger as ds_logger
+
+    records: list[logging.LogRecord] = []
+    recorder = logging.Handler(logging.INFO)
+    recorder.emit = records.append
+    level = ds_logger.level
+    ds_logger.addHandler(recorder)
+    try:
+        ds_logger.setLevel(logging.INFO)
+        make(ds_config(force_plan="H"))
+    finally:
+        ds_logger.setLevel(level)
+        ds_logger.removeHandler(recorder)
+    start = [r for r in records if "HiLoRe engine" in r.getMessage()]
+    assert len(start) == 1 and start[0].levelno == logging.INFO and "force_plan H" in start[0].getMessage()
+    assert not [line for line in _said(capfd) if "HiLoRe engine" in line and "[INFO]" not in line]
 
 
 def _precision_param(stage: int, precision: str):

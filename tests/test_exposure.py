@@ -1,11 +1,14 @@
 """Exposure: exact-zero sequences, per-slice exposure, and the automatic (hidden-gradient) source."""
 
+import math
+
 import pytest
 import torch
 from models import batch, tiny_model
 
 import ds_hilore
 from ds_hilore import grpo
+from ds_hilore.grpo import exposure
 
 EXACT = {"low_precision": "none"}
 
@@ -190,3 +193,39 @@ def test_coefficients_go_to_the_forward_their_log_probs_came_from():
     assert [m["exact_zero_sequences"] for m in runtime.stats["microbatches"]] == [2, 0]
     ref, got = _grads(reference), _grads(model)
     assert [n for n in ref if not torch.equal(ref[n], got[n])] == []
+
+
+# ---- later PPO epochs: the previous epoch's ratios predict the clipped tokens --------------
+def _epoch_case():
+    advantages = torch.tensor([1.0, -0.5, 2.0, 0.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]).float()
+    ratios = torch.tensor([[1.3, 1.0, 0.9, 5.0],    # 1.3 clipped above (A > 0); 5.0 is padding
+                           [0.7, 1.25, 1.0, 0.6],   # 0.7, 0.6 clipped below (A < 0); 1.25 is not
+                           [1.5, 1.5, 1.5, 1.0],    # every response token clipped
+                           [1.0, 1.0, 1.0, 1.0]])   # A = 0
+    return advantages, mask, ratios
+
+
+def test_later_epoch_exposure_zeroes_the_clipped_tokens():
+    advantages, mask, ratios = _epoch_case()
+    ratios[0, 3] = math.inf  # off the mask, whatever it is, it counts nothing
+    got = exposure.predicted_after_clip(advantages, mask, ratios, epsilon_low=0.2, epsilon_high=0.2)
+    assert got[0] == pytest.approx(1.0 * (1.0 + 0.9)) and got[1] == pytest.approx(0.5 * (1.25 + 1.0))
+    # every token clipped: packed first (the least), never predicted 0 -- the prediction is not
+    # exact, and only an exact zero may be elided
+    assert 0 < got[2] < min(got[0], got[1])
+    assert got[3] == 0.0  # A = 0: exact
+    assert exposure.predicted_after_clip(advantages, mask, None, 0.2, 0.2) == \
+        exposure.predicted(advantages, mask)  # epoch 1: nothing known yet
+
+
+def test_later_epoch_exposure_is_the_coefficients_when_the_ratios_are_this_epochs():
+    advantages, mask, ratios = _epoch_case()
+    old = torch.zeros(4, 4)
+    logp = ratios.log().requires_grad_()
+    out = grpo.policy_loss(logp, old, advantages, mask, loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.2)
+    weight = 1.0 / mask.sum()  # bnpo: one weight for every token
+    exact = (out.coefficients.abs() * mask).sum(dim=1) / weight
+    got = torch.tensor(exposure.predicted_after_clip(advantages, mask, ratios, 0.2, 0.2))
+    torch.testing.assert_close(got[[0, 1, 3]], exact[[0, 1, 3]].float(), rtol=1e-6, atol=0)
+    assert exact[2] == 0 and got[2] > 0  # all clipped: exact 0 here, but predicted only

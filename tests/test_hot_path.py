@@ -51,10 +51,32 @@ class DeviceReads:
         return wrapper
 
 
-def _reads_per_microbatch(layers: int, monkeypatch) -> int:
+class CountedCollective:
+    """A stand-in for ``runtime.collective`` (the collective only) of ranks that all agree:
+    counts the calls, each one a sync of the host with the device on NCCL."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def all_reduce_max(self, values):
+        self.calls.append(sys._getframe(1).f_code.co_name)
+        return list(values)
+
+    def all_reduce_max_float(self, values):
+        return self.all_reduce_max(values)
+
+    def all_reduce_sum(self, values):
+        return self.all_reduce_max(values)
+
+    def broadcast_object(self, obj):
+        return obj
+
+
+def _reads_per_microbatch(layers: int, monkeypatch, collective=None) -> int:
     model = with_lora(tiny_model("llama", layers=layers, hidden=64, intermediate=128))
     runtime = ds_hilore.attach(model, {"force_plan": {"*.attn": "L", "*.mlp": "H"},
                                        "codec_backend": "eager", "min_pack_numel": 0})
+    runtime.collective = collective
     inputs = batch(batch_size=4, seq=16)
     ids = inputs["input_ids"]
 
@@ -69,6 +91,8 @@ def _reads_per_microbatch(layers: int, monkeypatch) -> int:
     step()  # warm: first-use work (codec tables, probe) is not per microbatch
     counter = DeviceReads(monkeypatch)
     counter.active = True
+    if collective is not None:
+        collective.calls.clear()
     step()
     counter.active = False
     monkeypatch.undo()
@@ -81,13 +105,23 @@ def test_device_reads_do_not_grow_with_the_layer_count(monkeypatch):
     two, four = _reads_per_microbatch(2, monkeypatch), _reads_per_microbatch(4, monkeypatch)
     print("device reads per microbatch:", two)
     assert two == four, (two, four)
-    # the loss: input checks, metrics; the runtime: zero rows of ω, the deferred checks, the
-    # elision check at the top layer, the late per-layer flags
-    assert len(four) <= 6, four
+    # the loss: input checks, metrics; the runtime: zero rows of ω, the elision check at the
+    # top layer with the deferred checks in the same read, the late per-layer flags
+    assert len(four) <= 5, four
+
+
+def test_the_top_of_the_backward_is_one_read_and_one_all_reduce_under_several_ranks(monkeypatch):
+    collective = CountedCollective()
+    reads = _reads_per_microbatch(2, monkeypatch, collective)
+    # the microbatch's shape at its start, the elision's decision at the coefficients, then
+    # the leak check at the top of the backward carrying the forward's deferred checks (settle)
+    assert collective.calls == ["_bucket_key", "_agree", "settle"], collective.calls
+    assert len(reads) <= 5, reads
 
 
 def test_a_cast_that_is_not_one_sends_its_unit_to_recompute(monkeypatch):
-    # the deferred proof fails (forced here): the unit is recomputed, so gradients stay exact
+    # the deferred proof fails (forced here): the unit is recomputed, so gradients stay exact.
+    # The disproved reference is poisoned (NaN): had the slot still been read, gradients break.
     model = with_lora(tiny_model("llama", layers=2))
     inputs = batch()
     ref_loss, ref = loss_and_grads(model, inputs, autocast=torch.bfloat16)
@@ -98,6 +132,8 @@ def test_a_cast_that_is_not_one_sends_its_unit_to_recompute(monkeypatch):
         ref = recognize(t, base, params)
         if ref is not None and ref.proof is not None:
             ref.proof = torch.zeros((), dtype=torch.bool)
+            ref.param = torch.nn.Parameter(torch.full_like(ref.param, float("nan")),
+                                           requires_grad=False)
         return ref
 
     monkeypatch.setattr(runtime._weights, "_frozen_cast", disproved)

@@ -119,3 +119,65 @@ def test_live_storages_count_new_allocations_once_and_only_while_alive():
     assert tracker.live_bytes() == 256 * 256 * 4  # the view keeps the storage
     del view
     assert tracker.live_bytes() == 0
+
+
+# The launchers' names for "ranks on this node", in the order the budget reads them.
+_LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def _clear_local_size(monkeypatch):
+    for name in _LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("variable", _LOCAL_SIZE_VARIABLES)
+def test_memory_fraction_on_cpu_is_shared_by_the_ranks_any_launcher_names(monkeypatch, variable):
+    from ds_hilore.config import HiLoReConfig
+    from ds_hilore.plan import budget as budgets
+
+    _clear_local_size(monkeypatch)
+    cpu = torch.device("cpu")
+    whole = budgets.device_memory_bytes(cpu)
+    monkeypatch.setenv(variable, "4")
+    assert budgets.device_memory_bytes(cpu) == whole // 4
+    got = budgets.budget_and_bound(HiLoReConfig(memory_fraction=0.5), 0, cpu)
+    assert got == (int(0.5 * (whole // 4)), "hilore.memory_fraction = 0.5")
+
+
+def test_the_first_local_size_variable_set_wins(monkeypatch):
+    from ds_hilore.plan import budget as budgets
+
+    _clear_local_size(monkeypatch)
+    monkeypatch.setenv("MPI_LOCALNRANKS", "8")
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher, read before mpirun's
+    assert budgets.ranks_on_this_node() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # torchrun's, read first
+    assert budgets.ranks_on_this_node() == 3
+
+
+def test_a_bad_local_size_variable_is_an_error_that_names_it(monkeypatch):
+    from ds_hilore.plan import budget as budgets
+
+    _clear_local_size(monkeypatch)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "two")
+    with pytest.raises(HiLoReError, match="OMPI_COMM_WORLD_LOCAL_SIZE = 'two'"):
+        budgets.ranks_on_this_node()
+
+
+def test_without_a_local_size_variable_the_budget_assumes_one_rank_and_says_so_once(monkeypatch, caplog):
+    from ds_hilore.plan import budget as budgets
+
+    _clear_local_size(monkeypatch)
+    budgets.assume_one_rank_per_node.cache_clear()
+    monkeypatch.setattr(budgets, "_world_size", lambda: 4)
+    with caplog.at_level("WARNING", logger="ds_hilore"):
+        assert budgets.ranks_on_this_node() == 1
+        assert budgets.ranks_on_this_node() == 1
+    said = [record for record in caplog.records if "one rank per node" in record.getMessage()]
+    assert len(said) == 1 and "LOCAL_WORLD_SIZE" in said[0].getMessage()
+    caplog.clear()
+    monkeypatch.setattr(budgets, "_world_size", lambda: 1)  # one process: nothing to share
+    budgets.assume_one_rank_per_node.cache_clear()
+    with caplog.at_level("WARNING", logger="ds_hilore"):
+        assert budgets.ranks_on_this_node() == 1
+    assert not caplog.records

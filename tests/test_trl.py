@@ -8,11 +8,17 @@ three times:
 * ``gc``: no variable -- TRL with transformers' gradient checkpointing, ds_hilore not imported;
 * ``env_H``: ``DS_HILORE_CONFIG='{"force_plan": "H"}'`` and a ds_config without a block;
 * ``block``: the same variable, but the ds_config has ``"hilore": {"enabled": true}``, which
-  wins: the allocator's defaults.
+  wins: the allocator's defaults;
+
+and three times more with ``beta = 0`` (``gc_beta0``, ``env_H_beta0``, and ``block_beta0``, the
+allocator profiling one microbatch per shape): with no KL term every loss term is a multiple
+of the advantage, so TRL's ``_compute_loss`` hands the exposure to HiLoRe before the forward
+(ds_hilore/integrations/trl_exposure.py), which the stats count per step.
 
 ``env_H`` keeps every activation, so TRL's logged loss and grad norm, every micro-step's loss
 and the final parameters are bitwise those of ``gc``. Each launch takes ~40-80 s on 2 cores
-(most of it importing trl); the three together stay under 4 minutes.
+(most of it importing trl); the three with beta > 0 together stay under 4 minutes, the three
+with beta = 0 (no reference model) under 3.
 
 The fast tests check what TRL does to checkpointing: it switches it off around generation
 and back on with its own ``gradient_checkpointing_kwargs`` (``use_reentrant=True`` under
@@ -45,7 +51,12 @@ LAUNCHES = {  # name -> (environment, "hilore" block of the ds_config or None)
     "gc": ({}, None),
     "env_H": ({"DS_HILORE_CONFIG": '{"force_plan": "H"}'}, None),
     "block": ({"DS_HILORE_CONFIG": '{"force_plan": "H"}'}, {"enabled": True}),
+    # beta = 0: no KL term and no reference model, so the advantages predict the exposure
+    "gc_beta0": ({}, None),
+    "env_H_beta0": ({"DS_HILORE_CONFIG": '{"force_plan": "H"}'}, None),
+    "block_beta0": ({"DS_HILORE": "1"}, {"enabled": True, "profile_microbatches": 1}),
 }
+WORKER_ARGS = {name: ["--beta", "0"] for name in ("gc_beta0", "env_H_beta0", "block_beta0")}
 
 
 # ---- re-enabling checkpointing with new kwargs -----------------------------------------
@@ -102,7 +113,8 @@ def trl_run(model_dir, tmp_path_factory, monkeypatch):
                 try:
                     _launched[name] = run_distributed(
                         worker.__file__, ["--model_dir", str(model_dir), "--deepspeed", str(path),
-                                          "--steps", str(STEPS)], nprocs=2, timeout=300)
+                                          "--steps", str(STEPS), *WORKER_ARGS.get(name, [])],
+                        nprocs=2, timeout=300)
                 except pytest.fail.Exception as failure:
                     _launched[name] = str(failure)
         if isinstance(_launched[name], str):
@@ -158,3 +170,32 @@ def test_block_in_ds_config_wins_and_defaults_train(trl_run):
         assert len(_logged(rank, "loss")) == STEPS
         assert all(math.isfinite(x) for x in _logged(rank, "loss") + _logged(rank, "grad_norm"))
     assert ranks[0]["param_sha"] == ranks[1]["param_sha"]  # data parallel: one model
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_beta0_prediction_reaches_hilore_before_the_forward(trl_run):
+    """TRL's ``_compute_loss`` hands sum_t |A_i| m_{i,t} to HiLoRe before the model forward
+    (NOTE [ TRL exposure ]): the microbatches planned after profiling are planned from it."""
+    for rank in trl_run("block_beta0"):
+        assert rank["engine_class"] == "HiLoReDeepSpeedEngine" and rank["ref_engine_class"] is None
+        assert rank["loss_step_wrapped"] and len(rank["predicted_per_step"]) == STEPS
+        assert sum(rank["predicted_per_step"]) >= 1, rank["predicted_per_step"]
+        assert all(math.isfinite(x) for x in _logged(rank, "loss") + _logged(rank, "grad_norm"))
+    for rank in trl_run("block"):  # beta > 0: a zero advantage is no zero coefficient, nothing predicted
+        assert rank["predicted_per_step"] == [0] * STEPS
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_beta0_force_plan_H_with_the_loss_step_wrapped_is_bitwise_gc(trl_run):
+    for gc, env_h in zip(trl_run("gc_beta0"), trl_run("env_H_beta0"), strict=True):
+        assert env_h["engine_class"] == "HiLoReDeepSpeedEngine" and env_h["hilore_force_plan"] == "H"
+        assert env_h["loss_step_wrapped"] and not gc["loss_step_wrapped"]
+        assert gc["ref_engine_class"] is None and env_h["ref_engine_class"] is None  # beta = 0
+        for key in ("loss", "grad_norm", "reward"):
+            assert _logged(env_h, key) == _logged(gc, key), key  # floats compared exactly
+        assert env_h["micro_losses"] == gc["micro_losses"]
+        assert env_h["param_sha"] == gc["param_sha"]
+        stats = env_h["hilore_stats"]
+        assert stats["actions"]["H"] == GAS * UNITS and stats["recomputed_units"] == 0

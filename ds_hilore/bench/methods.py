@@ -249,8 +249,8 @@ def _exposure_blind_scheduler():
     class _ExposureBlind(Scheduler):
         """The allocator without exposure: uniform risk share, no predicted-exposure splits."""
 
-        def expect(self, exposure):
-            self.expected = None
+        def expect(self, exposure, step_exposure=None):
+            super().expect(None)  # blind: no prediction reaches the plan
 
         def _fit_risk(self, mb, bucket):
             saved = mb.exposure

@@ -1,5 +1,6 @@
-"""Reading a ``hilore bench`` report: the table, the frontier plot, overlapping ranges, the
-runtime's efficiency lines, and ``--report`` (a saved report printed again)."""
+"""Reading a ``hilore bench`` report: the table (with each run's paired speed against GC), the
+frontier plot and its paired panel, min-max overlaps, the runtime's efficiency lines, and
+``--report`` (a saved report printed again)."""
 
 from __future__ import annotations
 
@@ -40,18 +41,50 @@ def efficiency(report) -> dict[str, float]:
             if (forced, None) in med and (ref, None) in med}
 
 
+def _vs_gc(row) -> str:
+    c = (row.get("vs_gc") or {}).get("wall")
+    if not c or c["median"] is None:
+        return "-"
+    if c["low"] is None:
+        return f"{c['median']:.3f} (n={c['n']})"
+    return f"{c['median']:.3f} [{c['low']:.3f}-{c['high']:.3f}]"
+
+
+def _regime_line(report) -> str | None:
+    reg = report.get("regime")
+    if not reg:
+        return None
+    peak, share = reg.get("nogc_peak_over_gc"), reg.get("gc_recompute_share")
+    return (f"regime: no-GC peak {'-' if peak is None else f'{peak:.2f}'}x GC's (paper: >= 1.5), "
+            f"GC's recompute {'-' if share is None else f'{share:.0%}'} of its update's FLOPs "
+            f"(>= 25 %), {reg['sequences_per_microbatch']} sequences per microbatch (>= 8), "
+            f"{report['config'].get('grad_accum', 1)} microbatches per step")
+
+
+def _stop_line(report) -> str | None:
+    stop, rounds = report.get("stop"), len(report.get("rounds", []))
+    if not stop:
+        return None
+    why = {"rounds": "the requested count", "decided": "every decisive comparison decided",
+           "max_minutes": "--max-minutes reached"}.get(stop["reason"], stop["reason"])
+    left = f"; left undecided: {', '.join(stop['undecided'])}" if stop.get("undecided") else ""
+    return f"{rounds} paired rounds ({why}){left}"
+
+
 def table(report) -> str:
     gc_peak = report["gc_peak_bytes"]
     head = (f"{'method':<14} {'budget':>6} | {'tok/s med':>10} {'min':>9} {'max':>9} | "
-            f"{'peak MiB':>8} {'x GC':>5} {'act MiB':>8} {'fits':>4} | {'grad err mean':>13} "
-            f"{'max':>9} | {'gap':>6} {'cpu s':>6} {'recomp GF':>9} | mix")
+            f"{'vs GC paired [95% CI]':>23} | {'peak MiB':>8} {'x GC':>5} {'act MiB':>8} {'fits':>4} | "
+            f"{'step err':>9} {'mb err':>9} | {'gap':>6} {'cpu s':>6} {'recomp GF':>9} | mix")
     lines = [head, "-" * len(head)]
     for r in report["runs"]:
         budget = "-" if r["budget"] is None else f"{r['budget']:g}"
         if r.get("skipped"):
             lines.append(f"{r['method']:<14} {budget:>6} | skipped: {r['skipped']}")
             continue
-        t, ge = r["tokens_per_s"], r["grad_err"] or {"mean": float("nan"), "max": float("nan")}
+        t = r["tokens_per_s"]
+        nan = {"mean": float("nan"), "max": float("nan")}
+        ge, gm = r["grad_err"] or nan, r.get("grad_err_microbatch") or nan
         fits = "-" if r["within_budget"] is None else ("yes" if r["within_budget"] else "NO")
         gap = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
         rf = "-" if r["recomputed_flops"] is None else f"{r['recomputed_flops'] / 1e9:.2f}"
@@ -64,48 +97,44 @@ def table(report) -> str:
             mix += " (same run as first budget)"
         lines.append(
             f"{r['method']:<14} {budget:>6} | {t['median']:>10.1f} {t['min']:>9.1f} {t['max']:>9.1f} | "
-            f"{r['peak_bytes'] / MiB:>8.1f} {r['peak_bytes'] / gc_peak:>5.2f} "
-            f"{r['activation_peak_bytes'] / MiB:>8.2f} {fits:>4} | {ge['mean']:>13.3e} {ge['max']:>9.2e} | "
+            f"{_vs_gc(r):>23} | {r['peak_bytes'] / MiB:>8.1f} {r['peak_bytes'] / gc_peak:>5.2f} "
+            f"{r['activation_peak_bytes'] / MiB:>8.2f} {fits:>4} | {ge['mean']:>9.2e} {gm['mean']:>9.2e} | "
             f"{gap:>6} {r['cpu_s']['median']:>6.2f} {rf:>9} | {mix}")
     lines.append(f"GC peak {gc_peak / MiB:.1f} MiB (whole process); HiLoRe profiling + calibration "
                  f"+ leave-one-out (not in the timed steps): {report['profile_s']:.2f} s")
+    for line in (_regime_line(report), _stop_line(report)):
+        if line:
+            lines.append(line)
     for key, ratio in efficiency(report).items():
         forced, ref = key.split("_vs_")
         lines.append(f"runtime efficiency: {forced} runs at {ratio:.2f}x the throughput of {ref}")
-    pairs = overlaps(report)
-    if pairs:
-        near = [f"{a} ~ {b}" for a, b in pairs if {a, b} & {"gc", "nogc"}]
-        lines.append(f"min-max throughput ranges overlap for {len(pairs)} pairs of runs (not "
-                     "distinguishable at this repeat count; all in the JSON's \"overlaps\")"
-                     + (": with gc / nogc: " + ", ".join(near) if near else ""))
     verdicts = targets_text(targets(report))
     if verdicts:
         lines.append(verdicts)
-    lines.append("tok/s: tokens per second of the whole update (fwd + loss + bwd + AdamW); peak: "
-                 "whole process, act: above the step's start; fits: peak <= budget x GC peak; grad "
-                 "err: ||g - g_nogc|| / ||g_nogc||; gap: (t_gc - t) / (t_gc - t_nogc); recomp GF: "
-                 "fwd+bwd GFLOPs above nogc's (FlopCounterMode).")
+    lines.append("tok/s: tokens per second of the whole step (fwd + loss + bwd per microbatch, "
+                 "AdamW); vs GC: median over rounds of t_gc / t in the same round, 95 % interval "
+                 "of the signed-rank test (none below 6 rounds); peak: whole process, act: above "
+                 "the step's start; fits: peak <= budget x GC peak; step err: ||g - g_nogc|| / "
+                 "||g_nogc|| of the step's accumulated gradient, mb err: per microbatch; gap: "
+                 "(t_gc - t) / (t_gc - t_nogc) of medians; recomp GF: fwd+bwd GFLOPs above "
+                 "nogc's (FlopCounterMode).")
     return "\n".join(lines)
 
 
-def plot(report, path: str) -> None:
-    import matplotlib
+_STYLE = ["C0o", "C1s", "C2D", "C3^", "C4v", "C5<", "C6>", "C7p", "C8P", "C9X", "k*", "mh", "yH"]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    markers = "osD^v<>pPX*hH"
-    methods = list(dict.fromkeys(r["method"] for r in report["runs"]))
+def _frontier(ax, report, methods) -> None:
     for i, m in enumerate(methods):
         rows = [r for r in report["runs"] if r["method"] == m and r.get("tokens_per_s")]
         if not rows:
             continue
+        color, marker = _STYLE[i % len(_STYLE)][:-1], _STYLE[i % len(_STYLE)][-1]
         xs = [r["peak_bytes"] / MiB for r in rows]
         ys = [r["tokens_per_s"]["median"] for r in rows]
         lo = [r["tokens_per_s"]["median"] - r["tokens_per_s"]["min"] for r in rows]
         hi = [r["tokens_per_s"]["max"] - r["tokens_per_s"]["median"] for r in rows]
-        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=markers[i % len(markers)], capsize=3, label=m)
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker, color=color, capsize=3, label=m)
         for r, x, y in zip(rows, xs, ys):
             if r["budget"] is not None:
                 ax.annotate(f"{r['budget']:g}", (x, y), fontsize=7, xytext=(3, 3),
@@ -114,10 +143,39 @@ def plot(report, path: str) -> None:
         ax.axvline(b * report["gc_peak_bytes"] / MiB, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("peak memory, whole process (MiB); dotted: budget x GC peak")
     ax.set_ylabel("tokens / s (median, min-max)")
-    cfg = report["config"]
-    ax.set_title(f"{cfg['model']}, {cfg['micro_batch']}x{cfg['seq_len']}, {cfg['dtype']}, "
-                 f"{cfg['device']}")
     ax.legend(fontsize=7, ncol=2)
+
+
+def _paired_panel(ax, report, methods) -> None:
+    rows = [r for r in report["runs"] if (r.get("vs_gc") or {}).get("wall")
+            and r["vs_gc"]["wall"]["median"] is not None and not r.get("measured_once")]
+    for y, r in enumerate(rows):
+        i = methods.index(r["method"])
+        color, marker = _STYLE[i % len(_STYLE)][:-1], _STYLE[i % len(_STYLE)][-1]
+        c = r["vs_gc"]["wall"]
+        err = None if c["low"] is None else [[c["median"] - c["low"]], [c["high"] - c["median"]]]
+        ax.errorbar([c["median"]], [y], xerr=err, fmt=marker, color=color, capsize=3)
+    ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}"
+                        for r in rows], fontsize=7)
+    ax.set_xlabel("speed vs GC, paired (median, 95 % CI); > 1: faster")
+
+
+def plot(report, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(12, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    methods = list(dict.fromkeys(r["method"] for r in report["runs"]))
+    _frontier(ax, report, methods)
+    _paired_panel(side, report, methods)
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['model']}, {cfg['micro_batch']}x{cfg['seq_len']}"
+                 f"{' x' + str(cfg['grad_accum']) if cfg.get('grad_accum') else ''}, {cfg['dtype']}, "
+                 f"{cfg['device']}, {len(report.get('rounds', []))} paired rounds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -107,3 +107,83 @@ def input_norms(hidden: torch.Tensor) -> torch.Tensor | None:
     if hidden.dim() != 3 or not hidden.is_floating_point():
         return None
     return hidden.detach().float().norm(dim=-1)
+
+
+def row_mass(abs_omega: torch.Tensor, segments=None) -> torch.Tensor:
+    """M_i = Σ_t |ω_{i,t}| of every sequence: (B, T) -> (B,); of every segment of a packed row
+    when ``segments`` is given: (1, T) -> (K,). The microbatch's exposure mass M_m is their sum
+    (NOTE [ Risk in step units ] in ds_hilore/plan/risk.py)."""
+    if segments is None:
+        return abs_omega.sum(dim=1)
+    index = segment_index(segments, abs_omega.shape[1], abs_omega.device)
+    return torch.zeros(len(segments), device=abs_omega.device).index_add_(0, index, abs_omega[0])
+
+
+def predicted(advantages, response_mask, loss_weights=None) -> list[float]:
+    """Exposure of every sequence predicted before the forward: Σ_t |A_i| · w_{i,t} · m_{i,t}.
+
+    Exact for the policy term on-policy (ratio 1, nothing clipped) and with no KL or entropy
+    term (beta = 0): a zero means a zero coefficient. ``loss_weights`` (B, T') are the loss's
+    aggregation weights w_{i,t} (1 / |o_i| for TRL's "grpo"); None weighs every token 1, which
+    still ranks sequences by |A_i| x response tokens and keeps every zero exact.
+
+    Args:
+        advantages: (B,) A_i, or (B, T') per token (OpenRLHF's experiences).
+        response_mask: (B, T') 1 on response tokens, 0 on prompt and padding.
+        loss_weights: optional (B, T') w_{i,t}.
+    """
+    mask = response_mask.detach().float()  # (B, T')
+    if loss_weights is not None:
+        mask = mask * loss_weights.detach().float()
+    adv = advantages.detach().float().abs()
+    adv = adv[:, None] if adv.dim() == 1 else adv  # (B, 1) or (B, T')
+    return (adv * mask).sum(dim=1).tolist()
+
+
+# a sequence whose every token was clipped last epoch: this share of its unclipped exposure
+CLIPPED_FLOOR = 1e-6
+
+
+def predicted_after_clip(advantages, response_mask, ratios, epsilon_low: float,
+                         epsilon_high: float | None = None, loss_weights=None) -> list[float]:
+    """Exposure of every sequence at a later PPO epoch, from the previous epoch's ratios.
+
+    NOTE [ Exposure at later PPO epochs ]
+    When one rollout feeds several updates, the clipped surrogate -min(r A, clip(r) A) has
+    coefficient ∂/∂logp_t = -r_t A_i on a token inside the clip range and exactly 0 on a
+    clipped one (r_t > 1 + ε_high with A_i > 0, or r_t < 1 - ε_low with A_i < 0). This epoch's
+    ratios are known only after its forward, but the previous epoch's r_t (from the same
+    tokens, one or a few optimizer steps earlier) tell which tokens are likely clipped:
+
+        P_i = Σ_t |A_i| · r_t · (1 - clipped_t) · w_{i,t} · m_{i,t}
+
+    It is exact only for tokens that stay clipped and ratios that did not move, so it is a
+    prediction, used to order and pack, never to elide: elision needs exact zeros. A sequence
+    predicted 0 only because every token was clipped keeps ``CLIPPED_FLOOR`` of its unclipped
+    exposure (packed first, still stored and backwarded); P_i = 0 only when A_i · m_i = 0,
+    which is exact at any epoch (beta = 0). For the clipped surrogates only (grpo, bnpo,
+    dr_grpo, dapo, luspo); cispo caps the ratio without zeroing, sapo and vespo gate softly:
+    use ``predicted`` there.
+
+    Args:
+        advantages: (B,) A_i, or (B, T') per token.
+        response_mask: (B, T') 1 on response tokens.
+        ratios: (B, T') or (B, 1) the previous epoch's π_θ / π_old of these tokens; None at the
+            first epoch (then ``predicted``).
+        epsilon_low, epsilon_high: the clip range (``epsilon_high`` defaults to ``epsilon_low``).
+        loss_weights: optional (B, T') aggregation weights, as in ``predicted``.
+    """
+    if ratios is None:
+        return predicted(advantages, response_mask, loss_weights)
+    high = epsilon_low if epsilon_high is None else epsilon_high
+    mask = response_mask.detach().float()  # (B, T')
+    if loss_weights is not None:
+        mask = mask * loss_weights.detach().float()
+    adv = advantages.detach().float()
+    adv = adv[:, None] if adv.dim() == 1 else adv  # (B, 1) or (B, T')
+    r = ratios.detach().float()
+    clipped = ((r > 1.0 + high) & (adv > 0)) | ((r < 1.0 - epsilon_low) & (adv < 0))
+    per_token = torch.where((mask > 0) & ~clipped, adv.abs() * r, 0.0)  # an inf ratio off the mask: 0
+    kept = (per_token * mask).sum(dim=1)  # (B,)
+    whole = (adv.abs() * mask).sum(dim=1)  # (B,) zero exactly where the coefficient is
+    return torch.where((kept == 0) & (whole > 0), CLIPPED_FLOOR * whole, kept).tolist()

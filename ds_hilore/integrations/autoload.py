@@ -66,6 +66,21 @@ __all__ = ["ENV_CONFIG", "ENV_SWITCH", "TrainingInitialize", "fallback_block", "
 SWITCH_ON = ("1", "true", "yes", "on")
 
 
+class _TrainingEngines:
+    """How many training engines the replacement has built in this process: the next one's
+    position (NOTE [ Settings per engine ])."""
+
+    def __init__(self) -> None:
+        self.built = 0
+
+    def next(self) -> int:
+        self.built += 1
+        return self.built - 1
+
+
+_TRAINING_ENGINES = _TrainingEngines()
+
+
 def initialize(replacement: TrainingInitialize, args: tuple, kwargs: dict) -> Any:
     """One call of the replaced ``deepspeed.initialize(*args, **kwargs)`` (NOTE [ Autoload ])."""
     from ds_hilore.integrations import engine
@@ -75,7 +90,58 @@ def initialize(replacement: TrainingInitialize, args: tuple, kwargs: dict) -> An
     ds_kwargs = dict(bound.arguments)
     if not engine.trains(ds_kwargs):
         return replacement.deepspeed_initialize(*args, **kwargs)
-    return engine.initialize_with_fallback(ds_kwargs, fallback_block())
+    position = _TRAINING_ENGINES.next()
+    model_class = type(ds_kwargs.get("model")).__name__
+    block, settings = engine_block(fallback_block(), position, model_class)
+    result = engine.initialize_with_fallback(ds_kwargs, block, settings,
+                                             name=f"{model_class} (training engine {position})")
+    from ds_hilore.integrations import trl_exposure
+    trl_exposure.install()  # TRL's GRPOTrainer: advantages before the forward (NOTE [ TRL exposure ])
+    return result
+
+
+# NOTE [ Settings per engine ]
+# DeepSpeed-Chat and OpenRLHF build every ds_config in code, so DS_HILORE_CONFIG is the only
+# way in, and one process builds several training engines (actor, critic). The variable may
+# hold an "engines" mapping next to the block's keys:
+#     {"memory_budget": 1.2, "engines": {"1": {"force_plan": "R"}, "RewardModel": {...}}}
+# A key is either the engine's position among the training engines this process builds
+# ("0" = the first training deepspeed.initialize, whatever its model) or the class name of
+# the model passed to deepspeed.initialize (DS-Chat's critic: "RewardModel"; OpenRLHF's:
+# "CriticModel"; a LoRA model: "PeftModelForCausalLM"). An engine gets the keys outside
+# "engines", updated with the block of its class name, then with the block of its position
+# (the more specific wins); an engine no key names gets the keys outside "engines" alone.
+# Positions count training engines only (reference, reward and EMA engines stay plain and
+# are not counted) and are the order of the script's calls, which DS-Chat (actor, then critic)
+# and OpenRLHF (actor, then critic, on each worker) keep fixed. Every block is checked when
+# the first engine starts, so a mistake in the second engine's block stops the start.
+def engine_block(block: dict, position: int, model_class: str) -> tuple[dict, str]:
+    """The ``"hilore"`` block of the ``position``-th training engine, whose model is of class
+    ``model_class``, and where it came from (NOTE [ Settings per engine ]).
+
+    Raises:
+        HiLoReConfigError: "engines" is not a mapping of objects, or a block is invalid.
+    """
+    from ds_hilore.config import HiLoReConfig
+
+    base = {k: v for k, v in block.items() if k != "engines"}
+    engines = block.get("engines", {})
+    if not isinstance(engines, dict) or not all(isinstance(v, dict) for v in engines.values()):
+        raise HiLoReConfigError(
+            f'{ENV_CONFIG}: "engines" = {engines!r} must map an engine (its position among the '
+            'training engines, "0", "1", ..., or its model\'s class name) to a "hilore" block. '
+            'Fix: e.g. "engines": {"1": {"force_plan": "R"}}.')
+    for key, own in engines.items():  # at start: every block the run can use is valid
+        HiLoReConfig.coerce({**base, **own})
+    source = ENV_CONFIG if os.environ.get(ENV_CONFIG, "").strip() else \
+        f"the defaults ({ENV_CONFIG} unset)"
+    chosen, keys = dict(base), []
+    for key in (model_class, str(position)):
+        if key in engines:
+            chosen.update(engines[key])
+            keys.append(key)
+    where = source + "".join(f" engines[{key!r}]" for key in keys)
+    return chosen, where
 
 
 def fallback_block(environ=os.environ) -> dict:

@@ -76,20 +76,30 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     return initialize_with_fallback(ds_kwargs, None)
 
 
-def initialize_with_fallback(ds_kwargs: dict, fallback_block: Optional[Mapping]):
+def initialize_with_fallback(ds_kwargs: dict, fallback_block: Optional[Mapping],
+                             settings: str = "DS_HILORE_CONFIG", name: Optional[str] = None):
     """``initialize(**ds_kwargs)``, with ``fallback_block`` as the ``"hilore"`` block when the
-    ds_config has none (the variables of NOTE [ Autoload ] in ds_hilore/autoload.py)."""
+    ds_config has none (the variables of NOTE [ Autoload ] in ds_hilore/integrations/autoload.py).
+
+    ``fallback_block`` is given on the zero-code-change path only: there ``activate: "auto"``
+    follows the script's checkpointing (NOTE [ The script's checkpointing ] in runtime/core.py).
+    ``settings`` says where that block came from and ``name`` which engine this is, for the
+    start line."""
     ds_config = _resolve_ds_config(ds_kwargs["args"], ds_kwargs["config"], ds_kwargs["config_params"])
     if "hilore" not in ds_config and fallback_block is not None:
         hilore_config = HiLoReConfig.coerce(fallback_block)
     else:
         hilore_config = HiLoReConfig.from_ds_config(ds_config)
+        settings = 'the ds_config\'s "hilore" block'
     if hilore_config.enabled:
         _check_supported(ds_kwargs["model"], ds_config)
     engine, ds_optimizer, dataloader, scheduler = _deepspeed_initialize()(**ds_kwargs)
     engine.hilore = None
     if hilore_config.enabled:
-        _attach_runtime(engine, hilore_config)
+        follow = fallback_block is not None and hilore_config.activate == "auto"
+        _attach_runtime(engine, hilore_config, follow)
+        engine.hilore_name = name or type(engine.module).__name__
+        _announce(_start_line(engine, settings))
     return engine, ds_optimizer, dataloader, scheduler
 
 
@@ -159,12 +169,14 @@ def _check_supported(model: Optional[torch.nn.Module], ds_config: Mapping) -> No
 
 
 # ---- attaching ---------------------------------------------------------------------------
-def _attach_runtime(engine: Any, hilore_config: HiLoReConfig) -> None:
+def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: bool = False) -> None:
     from ds_hilore.plan import (
         attach,  # the runtime needs no DeepSpeed; imported when enabled only
     )
 
     runtime = attach(engine.module, hilore_config)
+    if follow_script:
+        runtime.follow_script_checkpointing()
     if dist.is_initialized() and dist.get_world_size() > 1:
         runtime.collective = TorchDistCollective()
     engine.hilore = runtime
@@ -193,9 +205,41 @@ class HiLoReEngineMixin:
       overflow-skipped step does, as DeepSpeed counts it).
     * ``save_checkpoint`` / ``load_checkpoint``: carry the runtime's learned state in
       DeepSpeed's own ``client_state`` (NOTE [ HiLoRe state in checkpoints ]).
+    * ``backward`` under ZeRO-3: parameter states after it as DeepSpeed alone leaves them
+      (NOTE [ ZeRO-3's trace and persistent parameters ]).
     """
 
     hilore: Any
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        coordinator = _zero3_coordinator(self)
+        if coordinator is None:
+            return super().backward(*args, **kwargs)
+        complete = coordinator.is_complete_trace()
+        result = super().backward(*args, **kwargs)
+        self._keep_persistent_resident(coordinator, complete)
+        return result
+
+    def _keep_persistent_resident(self, coordinator: Any, complete: bool) -> None:
+        """NOTE [ ZeRO-3's trace and persistent parameters ]: from a backward whose trace HiLoRe's
+        new plan invalidated until a training pass runs under a complete trace again, the
+        persistent parameters are resident after every backward, as gradient checkpointing
+        leaves them."""
+        recomputed = tuple(unit.action == "R" for unit in self.hilore.units)
+        changed = recomputed != getattr(self, "_hilore_recomputed", recomputed)
+        self._hilore_recomputed = recomputed
+        still_complete = coordinator.is_complete_trace()
+        if complete and not still_complete and changed:
+            self._hilore_retrace = True
+        elif complete and still_complete:
+            self._hilore_retrace = False
+        if getattr(self, "_hilore_retrace", False):
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            released = [p for p in self.module.parameters() if getattr(p, "ds_persist", False)
+                        and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            if released:  # the same list on every rank: DeepSpeed's trace and the plan agree
+                released[0].all_gather(param_list=released)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         steps_before = self.global_steps
@@ -224,9 +268,81 @@ class HiLoReEngineMixin:
 
     def _log_hilore_stats(self) -> None:
         interval = self.hilore.config.log_interval
-        if interval and self.global_steps % interval == 0 and self.global_rank == 0:
-            logger.info("hilore step %d, plan %s: %s", self.global_steps, self.hilore.plan_hash(),
-                        self.hilore.stats)
+        if interval and self.global_steps % interval == 0:
+            _announce(_step_line(self.global_steps, getattr(self, "hilore_name", "engine"),
+                                 self.hilore.plan_hash(), self.hilore.stats))
+
+
+# NOTE [ ZeRO-3's trace and persistent parameters ]
+# ZeRO-3 records the order in which one forward and backward fetch submodules (its trace, reset
+# at each forward of the engine's module) and compares every later pass with it. Under a
+# complete trace it keeps "persistent" parameters (stage3_param_persistence_threshold) resident;
+# while the trace is invalid or being recorded again it releases them with the rest, so they
+# are NOT_AVAILABLE after that micro-step. Gradient checkpointing recomputes every layer in
+# every backward: its order never changes. HiLoRe's does whenever its plan changes what is
+# recomputed (profiling all-R, then the plan, leave-one-out variants, units sent to R): that
+# backward invalidates the trace, and the next pass to reach the engine's module records a new
+# one -- in DeepSpeed-Chat a generation step's one-token forward, which the next training pass
+# invalidates again. Scripts that read parameters between micro-steps (DeepSpeed-Chat's EMA
+# gathers only NOT_AVAILABLE ones) would see another state than without HiLoRe. So from a
+# backward whose trace a plan change invalidated until a backward that starts and ends under a
+# complete trace, the persistent parameters are gathered back after each backward. Every input
+# is the same on every rank (DeepSpeed checks that ranks record the same trace; plans are the
+# same on every rank), so every rank gathers the same list.
+def _zero3_coordinator(engine: Any) -> Any:
+    """DeepSpeed's ZeRO-3 parameter coordinator of ``engine``, or None below stage 3."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    return offload.get_param_coordinator() if offload is not None else None
+
+
+# ---- what is said ------------------------------------------------------------------------
+# NOTE [ What HiLoRe says ]
+# One line per HiLoRe engine at start, and with log_interval one line per logged step, on
+# rank 0, through DeepSpeed's logger as DeepSpeed's own lines are (log_dist, ranks=[0], INFO).
+# DeepSpeed's logger lets INFO through only with "log_level": "info" in the ds_config; at its
+# default (WARNING) the lines are printed on rank 0 instead (DeepSpeed's print_dist), so a
+# user sees that HiLoRe is on without configuring logging. The planner's own messages (plans,
+# fallbacks) go to the standard "ds_hilore" logger.
+def _announce(message: str) -> None:
+    from deepspeed.utils import logging as ds_logging
+
+    if ds_logging.logger.isEnabledFor(logging.INFO):
+        ds_logging.log_dist(message, ranks=[0])
+    else:
+        ds_logging.print_dist(message, ranks=[0])
+
+
+def _start_line(engine: Any, settings: str) -> str:
+    from ds_hilore.plan import budget as budgets
+
+    runtime, config = engine.hilore, engine.hilore.config
+    units = runtime.units
+    layers = sorted({u.layer_index for u in units})
+    where = f"{len(units)} units in {len(layers)} decoder layers" + (
+        f" ({units[0].name} .. {units[-1].name})" if units else " (found at the first forward)")
+    plan = f"force_plan {config.force_plan}" if config.force_plan is not None else \
+        f"budget {budgets.describe(config)}, grad_error_tolerance {config.grad_error_tolerance}, " \
+        f"low_precision {config.low_precision}"
+    state = "on" if runtime.enabled else \
+        "off: the script trains it without gradient checkpointing (activate: " \
+        f"{config.activate}; gradient_checkpointing_enable() turns it on)"
+    return f"ds_hilore: HiLoRe engine {engine.hilore_name}: {where}; {plan}; {state}; settings: {settings}"
+
+
+def _step_line(step: int, name: str, digest: str, stats: Mapping) -> str:
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    error = stats.get("grad_error_est")
+    measured = stats.get("grad_error_measured")
+    actions = stats.get("actions") or {}
+    mix = " ".join(f"{a} {actions.get(a, 0)}" for a in "HLRE")
+    budget = stats.get("budget_bytes")
+    budget = "(force_plan: no budget)" if "budget_bytes" not in stats else \
+        f"of budget {mib(budget)}" if budget is not None else "(budget: once the shape is profiled)"
+    return (f"ds_hilore step {step} ({name}, plan {digest}): actions {mix} (units x microbatches); "
+            f"recomputed {stats.get('recomputed_units', 0)}; peak {mib(stats.get('peak_bytes'))} "
+            f"{budget}; est. error "
+            f"{'-' if error is None else f'{error:.4f}'}, measured "
+            f"{'-' if measured is None else f'{measured:.4f}'}")
 
 
 # ---- checkpoints -------------------------------------------------------------------------
@@ -282,7 +398,7 @@ def _check_budget(runtime: Any, hilore_config: HiLoReConfig) -> None:
         in_use = runtime.collective.all_reduce_max([in_use])[0]
     if in_use <= budget:
         return
-    forced = hilore_config.force_plan is not None
+    forced = isinstance(hilore_config.force_plan, str)  # a mapping leaves the others to the budget
     warnings.warn(
         f"hilore.memory_budget_bytes = {budget} is below what gradient checkpointing needs: "
         f"{in_use} bytes are in use per rank (max over ranks) right after deepspeed.initialize. "
@@ -337,6 +453,13 @@ class TorchDistCollective:
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks (float64)."""
         return self._all_reduce(values, torch.float64, dist.ReduceOp.SUM)
+
+    def all_reduce_sum_tensor(self, tensor: torch.Tensor) -> None:
+        """``tensor`` summed over ranks, in place (a whole gradient: no list of floats)."""
+        moved = tensor.to(self.device)
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.group)
+        if moved is not tensor:
+            tensor.copy_(moved)
 
     def _all_reduce(self, values: list, dtype: torch.dtype, op: Any) -> list:
         tensor = torch.tensor(list(values), dtype=dtype, device=self.device)  # (n,)

@@ -26,14 +26,15 @@ def attach(model: nn.Module, config: HiLoReConfig | Mapping | str | None = None)
     """Make HiLoRe the activation checkpointing of ``model``, deciding by itself.
 
     The runtime (``ds_hilore.runtime.attach``) plus the scheduler that plans every microbatch
-    within ``memory_budget`` and ``grad_error_tolerance``. With ``force_plan`` set, the plan is
-    fixed and nothing is measured or allocated.
+    within ``memory_budget`` and ``grad_error_tolerance``. With ``force_plan`` one action, the
+    plan is fixed and nothing is measured or allocated; a ``force_plan`` mapping pins the units
+    it matches and leaves the others to the scheduler (the pinned ones are measured as they run).
 
     Args / Returns / Raises: as ``ds_hilore.runtime.attach``.
     """
     from ds_hilore.plan.scheduler import Scheduler
 
     runtime = attach_runtime(model, config)
-    if runtime.attached and runtime.config.force_plan is None:
+    if runtime.attached and not isinstance(runtime.config.force_plan, str):
         runtime.policy = Scheduler(runtime)
     return runtime

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+from collections.abc import Mapping
 
 from ds_hilore.plan import knapsack
 from ds_hilore.plan.profile import BucketProfile, UnitCost
@@ -53,10 +55,13 @@ def unit_options(cost: UnitCost, codec: bool, split_share: float) -> dict[str, t
 
 
 def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_share: float,
-                 scale: float = 1.0, excluded: frozenset[int] = frozenset()) -> list[list[knapsack.Option]]:
+                 scale: float = 1.0, excluded: frozenset[int] = frozenset(),
+                 byte_scale: Mapping[str, float] | None = None) -> list[list[knapsack.Option]]:
     """The knapsack groups of a profile: one per layer, every joint action an option.
     ``scale`` (>= 1) stretches bytes and times to a bucket longer than the profiled shape;
-    ``excluded`` layers (leave-one-out found their options do not pay) get R only."""
+    ``byte_scale`` (unit kind -> factor >= 1) stretches only the bytes of that kind's units
+    (NOTE [ Priced for the bucket's longest ] in scheduler.py); ``excluded`` layers
+    (leave-one-out found their options do not pay) get R only."""
     layers: dict[int, list[UnitCost]] = {}
     for cost in profile.units:
         layers.setdefault(cost.layer, []).append(cost)
@@ -72,10 +77,11 @@ def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_sha
             danger = 0.0
             for k, (cost, action) in enumerate(zip(units, combo)):
                 u, b, share = per_unit[k][action]
+                stretch = scale * (byte_scale or {}).get(cost.kind, 1.0)
                 utility += u * scale
-                memory += int(b * scale)
+                memory += math.ceil(b * stretch)
                 if action != "R" and "R" in combo[k + 1:]:
-                    memory += int(cost.ff_bytes * scale)
+                    memory += math.ceil(cost.ff_bytes * stretch)
                 danger += risk.risk(group_of(cost.kind, layer, n_layers), cost.rel_error, share)
             options.append(knapsack.Option({c.name: a for c, a in zip(units, combo)},
                                            utility, memory, danger))
@@ -85,13 +91,15 @@ def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_sha
 
 def allocate(profile: BucketProfile, risk: RiskModel, headroom_bytes: int, risk_budget: float,
              codec: bool, split_share: float = 0.5, scale: float = 1.0,
-             excluded: frozenset[int] = frozenset()) -> Plan:
+             excluded: frozenset[int] = frozenset(),
+             byte_scale: Mapping[str, float] | None = None) -> Plan:
     """The capture plan with the most utility whose memory fits ``headroom_bytes`` (the budget
-    above GC's peak) and whose risk fits ``risk_budget``."""
+    above GC's peak) and whose risk fits ``risk_budget``; ``scale`` and ``byte_scale`` as in
+    ``layer_groups``."""
     names = [c.name for c in profile.units]
     if headroom_bytes <= 0:
         return Plan.all_r(names, headroom_bytes)
-    groups = layer_groups(profile, risk, codec, split_share, scale, frozenset(excluded))
+    groups = layer_groups(profile, risk, codec, split_share, scale, frozenset(excluded), byte_scale)
     solution = knapsack.solve(groups, headroom_bytes, risk_budget)
     actions = {}
     for group, index in zip(groups, solution.choice):

@@ -11,7 +11,9 @@ needs more memory than GC on a shape it has not measured. While they run:
 * L bytes, pack and unpack time, and the codec's relative error: each re-created tensor is
   packed and unpacked once more, one tensor at a time, with the runtime's own code path
   (``Stored.set_rows``), so at most one tensor's packed copy is alive beyond GC's own memory;
-* capture time: building the storage records of H (bookkeeping only: H keeps references);
+* capture time: building the storage records of H (bookkeeping only: H keeps references),
+  and what H and L do in the forward besides keeping a tensor, and R does not (NOTE [ Timed
+  the same way ]; in pack time too);
 * derived tensors (NOTE [ Derived tensors ] in runtime/derived.py): no bytes; the time of the
   pointwise op that re-derives them, which H and L both pay in the backward, and the bytes they
   would hold if kept (a plan storing every unit whole keeps them when those fit: ``derives``);
@@ -24,17 +26,49 @@ needs more memory than GC on a shape it has not measured. While they run:
 The first profiled microbatch of a bucket warms up (codec compilation, allocator); the plan uses
 the median over the rest. Nothing is derived from FLOPs: on a CPU a codec can cost more than the
 recompute it saves, and must then lose.
+
+NOTE [ Non-finite tensors ]
+Some saved tensors hold infinities by design: with a padding mask, SDPA saves an additive
+(B, 1, T, T) mask of 0 and -inf. The codec cannot pack them (its per-row scale would be inf),
+and the runtime learns that only when it reads the microbatch's checks at the start of the
+backward (NOTE [ One read per microbatch ] in runtime/storage.py): the unit then pays the pack
+and the recompute. It cannot keep just that tensor whole instead -- which tensor it is shows
+only on the device, and reading it per tensor in the forward is what the deferred checks avoid.
+So a unit in which the profile met a non-finite packable tensor is excluded from L (its L bytes
+are its H bytes: ``allocate.unit_options`` then offers no L and no split), exact and costing only
+that unit's compression. Its non-finite samples are dropped from the codec error and counted
+(``nonfinite_tensors``): an infinite norm would turn the unit's error into NaN.
+
+NOTE [ Timed the same way ]
+Every action's cost is what it adds to the step against the others, measured with one clock
+(``_Sample.now``: a synchronize first on CUDA, then the host's), so that neither side is timed
+with its Python costs and the other without:
+* R re-runs the unit's forward in the backward, without HiLoRe's forward bookkeeping: the
+  unit's forward is timed between unit boundaries, less the weight recognition done inside
+  it (``Microbatch.weight_ref``: every action recognizes the weights a unit saves in the
+  forward; the re-run does not), timed on the host (the cast's proof is deferred, NOTE
+  [ One read per microbatch ] in runtime/storage.py), so no synchronize is added inside it;
+* H and L pay, per saved tensor, the derivable check (NOTE [ Derived tensors ]) and, once
+  per unit, the token norms of its input (exposure's token weights, ``input_norms``), timed
+  in the profiled backward as the capture is (the norms on the layer's input: the same op on
+  a tensor of the unit input's shape) and added to both ``capture_s`` (H) and ``pack_s`` (L):
+  the plain costs a loaded profile sets carry it, and a split (S) pays it once more on its
+  packed share, an overestimate of a few microseconds. A fast-forward's RNG snapshot (an H
+  unit before an R unit of one layer) is host state, not counted. Under ZeRO-3 the forward's
+  parameter gathers stay inside the unit's interval.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from ds_hilore.grpo.exposure import input_norms
 from ds_hilore.runtime.memory import in_use_bytes
 from ds_hilore.runtime.storage import Counters
 
@@ -59,6 +93,7 @@ class UnitCost:
     derived_bytes: int = 0  # bytes those tensors would hold if kept (not in h_bytes / l_bytes)
     rows: int = 1  # sequences of the profiled microbatch
     sliceable: bool = False  # kept per sequence: H/L splits by sequence are possible
+    nonfinite_tensors: int = 0  # packable tensors holding inf / NaN: no L (NOTE [ Non-finite tensors ])
 
     @property
     def utility_h(self) -> float:
@@ -98,6 +133,8 @@ class _Sample:
     """One profiled microbatch: what the runtime reports while it runs (duck-typed
     ``mb.profile``, see ``LayerFrame``)."""
 
+    clock = staticmethod(time.perf_counter)  # host seconds (NOTE [ Timed the same way ])
+
     def __init__(self, units, device: torch.device):
         self.device = device
         self.costs = {u.name: UnitCost(u.name, u.kind, -1, u.pos) for u in units}
@@ -105,6 +142,7 @@ class _Sample:
         self._seen: set[tuple[int, int, int]] = set()  # (frame, unit, storage) counted once
         self._errors: dict[str, list[float]] = {}  # unit -> [sum err^2, sum norm^2]
         self._warm: set[tuple] = set()  # (shape, dtype) the codec has run on
+        self._normed: set[tuple[int, int]] = set()  # (frame, unit) whose token norms were timed
         self.overhead_s = 0.0  # seconds spent measuring (not part of any unit's cost)
         self.peak_bytes = 0  # CPU: in-use bytes sampled at every layer boundary, both ways
 
@@ -114,11 +152,16 @@ class _Sample:
     def now(self, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter()
+        return self.clock()
 
     def unit_time(self, unit, seconds: float) -> None:
         self.costs[unit.name].recompute_s += seconds
         self.sample_memory()
+
+    def weight_recognition(self, unit, seconds: float) -> None:
+        """Forward seconds of recognizing a weight the unit saves: not what R re-runs
+        (NOTE [ Timed the same way ])."""
+        self.costs[unit.name].recompute_s -= seconds
 
     def fast_forward(self, unit, nbytes: int) -> None:
         self.costs[unit.name].ff_bytes += nbytes
@@ -136,6 +179,9 @@ class _Sample:
         unit = frame.layer.units[pos]
         cost = self.costs[unit.name]
         cost.rows, cost.sliceable = frame.batch, frame.sliceable
+        bookkeeping = self._bookkeeping(frame, pos, t)  # NOTE [ Timed the same way ]
+        cost.capture_s += bookkeeping
+        cost.pack_s += bookkeeping
         if derived is not None:
             op, inputs = derived
             start = self.now(t.device)
@@ -155,6 +201,18 @@ class _Sample:
             self._measure_codec(stored, t, cost, scratch)
         self.overhead_s += self.now(t.device) - begin
 
+    def _bookkeeping(self, frame, pos: int, t: torch.Tensor) -> float:
+        """Seconds of what H and L do in the forward for ``t`` besides keeping it: the
+        derivable check, and once per unit the token norms (NOTE [ Timed the same way ])."""
+        start = self.now(t.device)
+        frame._derivable(pos, t)
+        if frame.ctx.codec is not None and (id(frame), pos) not in self._normed:
+            self._normed.add((id(frame), pos))
+            first = next((x for x in frame.args if isinstance(x, torch.Tensor)), None)
+            if first is not None:
+                input_norms(first)  # (B, T) fp32, as the forward of an H / L unit computes it
+        return self.now(t.device) - start
+
     def _measure_codec(self, stored, t: torch.Tensor, cost: UnitCost, scratch: Counters) -> None:
         shape = (tuple(t.shape), t.dtype)
         if shape not in self._warm:  # compilation and first-call costs are not the codec's
@@ -171,15 +229,21 @@ class _Sample:
         cost.unpack_s += self.now(t.device) - middle
         cost.l_bytes += stored.bytes_by_action()["L"]
         acc = self._errors.setdefault(cost.name, [0.0, 0.0])
-        for e, n in torch.stack(scratch.packed_stats).tolist():
+        runs = torch.stack(scratch.packed_stats).tolist()  # [sum err^2, sum norm^2] per run
+        if not all(math.isfinite(e) and math.isfinite(n) for e, n in runs):
+            cost.nonfinite_tensors += 1  # dropped: NOTE [ Non-finite tensors ]
+            return
+        for e, n in runs:
             acc[0] += e
             acc[1] += n
 
     def finish(self, layer_positions: dict[int, int]) -> list[UnitCost]:
         for name, cost in self.costs.items():
             cost.layer = layer_positions[self._layer_of[name]]
-            e, n = self._errors.get(name, (0.0, 0.0))
-            cost.rel_error = (e / n) ** 0.5 if n > 0 else 0.0
+            cost.recompute_s = max(cost.recompute_s, 0.0)  # a recognition at a unit boundary
+            e, n = self._errors.get(name, (0.0, 0.0))  # finite samples only
+            cost.rel_error = (e / n) ** 0.5 if n > 0 else 0.0  # nothing packed: no error
+            exclude_nonfinite(cost)
         return list(self.costs.values())
 
 
@@ -215,9 +279,17 @@ class Profiler:
             merged = dataclasses.replace(first)
             for field in ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error"):
                 setattr(merged, field, statistics.median(getattr(u, field) for u in per_unit))
-            for field in ("h_bytes", "l_bytes", "ff_bytes", "derived_bytes"):  # exact: the largest
-                setattr(merged, field, max(getattr(u, field) for u in per_unit))
+            for field in ("h_bytes", "l_bytes", "ff_bytes", "derived_bytes", "nonfinite_tensors"):
+                setattr(merged, field, max(getattr(u, field) for u in per_unit))  # exact: the largest
+            exclude_nonfinite(merged)
             units.append(merged)
         return BucketProfile(self.key, units, gc_peak_bytes=max(p for p in self.peaks if p is not None),
                              baseline_bytes=min(self.baselines), repeats=len(used),
                              seconds=self.seconds)
+
+
+def exclude_nonfinite(cost: UnitCost) -> None:
+    """No L for a unit whose profile met a non-finite packable tensor: the runtime would pack
+    it, fail the check and recompute (NOTE [ Non-finite tensors ])."""
+    if cost.nonfinite_tensors:
+        cost.l_bytes = cost.h_bytes

@@ -3,11 +3,13 @@
 NOTE [ One microbatch ]
     begin_forward     shape bucket (all-reduced max over ranks); unseen -> all-R and profiled
                       (profile.py); profiled -> the bucket's plan (allocate.py), sequences split
-                      by predicted exposure (``expect``) when known
+                      by predicted exposure (``expect``) when known, those predicted 0 never
+                      stored and the plan re-solved for the rest (NOTE [ Freed memory is spent ])
     begin_microbatch  the runtime's microbatch gets the profiler sample, if any
     after_coefficients  ω known: exposure per unit and sequence; the riskiest packed units go
-                      to R until the estimated error fits the risk budget (A = 0 rows are elided
-                      by the runtime already)
+                      to R until the estimated error, in the step's units (NOTE [ Risk in step
+                      units ] in risk.py), fits the risk budget -- one decision for all ranks
+                      (A = 0 rows are elided by the runtime already)
     top_grad          the backward reached the last layer: end of a profiled microbatch is
                       queued; the gradient there is kept when a matched pass will need it
     end_step          matched passes (calibration, validation) on a separate graph, with
@@ -30,11 +32,12 @@ import torch
 from ds_hilore.plan import budget as budgets
 from ds_hilore.plan.allocate import Plan, allocate
 from ds_hilore.plan.calibrate import MatchedPasses
-from ds_hilore.plan.profile import BucketProfile, Profiler
-from ds_hilore.plan.risk import RiskModel, group_of, share
+from ds_hilore.plan.profile import BucketProfile, Profiler, exclude_nonfinite
+from ds_hilore.grpo import exposure as exposures
+from ds_hilore.plan.risk import RiskModel, StepExposure, group_of, quartile_rows
 from ds_hilore.plan.validate import LeaveOneOut
 from ds_hilore.runtime.elision import unverified_rows_to_r
-from ds_hilore.runtime.memory import in_use_bytes
+from ds_hilore.runtime.memory import DevicePeak, in_use_bytes
 
 logger = logging.getLogger("ds_hilore")
 
@@ -46,9 +49,12 @@ class Bucket:
     profile: BucketProfile | None = None
     plan: Plan | None = None
     budget_bytes: int | None = None
+    budget_bound: str | None = None  # which bound set it: the stated key, or "device" (budget.py)
     loo: LeaveOneOut | None = None  # NOTE [ Leave-one-out ], while it runs
     excluded: set[int] = dataclasses.field(default_factory=set)  # layers leave-one-out sent to R
     loo_utilities: dict[int, float] | None = None  # seconds per layer, measured jointly
+    shortest: int | None = None  # positions of the shortest profiled microbatch, over ranks
+    byte_scale: dict[str, float] | None = None  # bytes x this per unit kind, for the longest
 
 
 class Scheduler:
@@ -60,8 +66,14 @@ class Scheduler:
         self.risk = RiskModel()
         self.tighten = 1.0  # validation halves the risk budget when the measured error exceeds it
         self.expected: list[float] | None = None  # predicted exposure per sequence (expect)
+        self.expected_step: float | None = None  # ... summed over the step, all ranks (expect)
+        self.applied = None  # (prediction, step prediction) the plan of the forward used
+        self.step_exposure = StepExposure()  # NOTE [ Risk in step units ] in risk.py
+        self.row_plans: dict = {}  # plans re-solved for the rows a prediction keeps
         self.bucket: Bucket | None = None  # of the forward in progress
-        self.meter: bool | None = None  # CUDA's peak counter was reset for a profiled microbatch
+        self.rows_here = 1  # sequences of the forward in progress on this rank (Uneven batches)
+        self.meter: DevicePeak | None = None  # CUDA: the profiled microbatch's peak window
+        self.step_meter: tuple[int, DevicePeak] | None = None  # CUDA: (step, the step's window)
         self.baseline = 0
         self.passes = MatchedPasses(self)
         self.timing = None  # (leave-one-out, variant, start) of the forward in progress
@@ -75,16 +87,21 @@ class Scheduler:
         self._reset_step()
 
     # ------------------------------------------------------------------ pipeline
-    def begin_forward(self, args, kwargs) -> None:
+    def begin_forward(self, args, kwargs, replayable: bool = True) -> None:
+        """``replayable``: ``args``/``kwargs`` are the model's (NOTE [ Where a microbatch begins ]
+        in runtime/core.py); else the first layer's hidden states, and no matched pass runs."""
         if self.passes.running:
             return
         begin = time.perf_counter()
         self._close_meter()
-        key = self._bucket_key(args, kwargs)
+        self.rows_here, length = _shape(args, kwargs)
+        key, shortest = self._bucket_key(self.rows_here, length)
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = Bucket(key, Profiler(key, self.config.profile_microbatches))
         self.bucket = bucket
+        if bucket.plan is None and not bucket.profiler.done:  # profiled now: its shortest counts
+            bucket.shortest = min(bucket.shortest or shortest, shortest)
         if bucket.plan is None and bucket.profiler.done:
             self._plan_bucket(bucket)
             self._start_loo(bucket)
@@ -97,10 +114,13 @@ class Scheduler:
         elif bucket.loo is not None:  # NOTE [ Leave-one-out ]: the plan, or it minus one layer
             variant = bucket.loo.next_variant()
             self._apply(bucket, recompute_layer=None if variant == LeaveOneOut.WARM_UP else variant)
-            self.timing = (bucket.loo, variant, self._now())
+            self.timing = (bucket.loo, variant, self._now(), self.rows_here * length)
         else:
             self._apply(bucket)
-        self.passes.begin_forward(args, kwargs, bucket)
+        if replayable:
+            self.passes.begin_forward(args, kwargs, bucket)
+        else:
+            self.passes.job = None
         self.expected = None  # a prediction is for this microbatch only
         self.alloc_s += time.perf_counter() - begin
 
@@ -110,11 +130,14 @@ class Scheduler:
         mb.plan_key = self.bucket.key
         mb.timing, self.timing = self.timing, None
         mb.derive = mb.derive and self.derives(self.bucket)
+        mb.predicted, self.applied = (self.applied if self.bucket.plan is not None else None), None
         if self.bucket.plan is None:
             mb.profile = self.bucket.profiler.sample(self.runtime.units, self._device())
 
     def after_coefficients(self, mb) -> None:
-        """ω and exposure are known: spend the risk budget on this update (NOTE [ One microbatch ])."""
+        """ω and exposure are known: spend the risk budget on this update (NOTE [ One microbatch ]).
+        The units sent to R are one decision for all ranks (``_fit_risk``); between refreshes
+        the last decision is applied again, without reading exposure: it was collective too."""
         if self.passes.running or mb.plan_key not in self.buckets:
             return
         begin = time.perf_counter()
@@ -122,22 +145,23 @@ class Scheduler:
         if bucket.plan is not None:
             if self.fits % self.config.refresh_interval == 0 or self.last_fit is None:
                 self.last_fit = self._fit_risk(mb, bucket)
-            else:  # between refreshes: the last decision, without reading exposure
-                for name in self.last_fit[1]:
+            else:
+                for name in self.last_fit[2]:
                     unit = next((u for u in self.runtime.units if u.name == name), None)
                     frame = mb.frame(unit.layer_index) if unit is not None else None
                     if frame is not None and frame.plan.actions[unit.pos] != "R":
                         self.runtime.downgrade(name, "R")
             self.fits += 1
-            self.step_stats["grad_error_est"].append(self.last_fit[0])
+            risk, mass = self.last_fit[0], self.last_fit[1]
+            self.step_exposure.add(mass, risk)
+            self.step_stats["grad_error_est"].append(risk / mass if mass > 0 else 0.0)
         self.alloc_s += time.perf_counter() - begin
 
     def top_grad(self, mb, grad: torch.Tensor) -> None:
         if self.passes.running:
             return
         if mb.source is None:  # no coefficients came: nothing proves the planned elisions
-            for frame in mb.live_frames():
-                unverified_rows_to_r(frame, set())
+            unverified_rows_to_r(self.runtime, mb.live_frames(), lambda frame: set())
         self.passes.top_grad(mb, grad)
         if mb.timing is not None:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_timing(mb))
@@ -153,6 +177,8 @@ class Scheduler:
             return
         self._close_meter()
         self.passes.run()
+        self._charge_memory_after_profiling()  # NOTE [ Memory that appears after profiling ]
+        self.step_stats["grad_error_est_step"] = self.step_exposure.close(self.runtime.collective)
         self.steps += 1
         self.step_stats["alloc_s"] = self.alloc_s
         self.last_stats = self.step_stats
@@ -177,10 +203,26 @@ class Scheduler:
         kept = sum(c.derived_bytes for c in bucket.profile.units if plan.actions.get(c.name) == "H")
         return plan.memory_bytes + kept > plan.headroom_bytes
 
-    def expect(self, exposure: list[float] | None) -> None:
-        """Predicted exposure per sequence of the next microbatch (e.g. |A_i| * tokens_i when
-        on-policy with beta = 0): its sequences are split and elided by it before the forward."""
+    def expect(self, exposure: list[float] | None, step_exposure: float | None = None) -> None:
+        """Predicted exposure per sequence of the next microbatch, before its forward.
+
+        The plan of that microbatch then stores its most exposed sequences H and packs the
+        least exposed ones (per-sequence splits), never stores a sequence predicted 0 (E), and
+        spends the memory those leave on more H/L (the knapsack re-solved for the rows kept).
+
+        Args:
+            exposure: one value per sequence, any unit: sum_t |A_i| w_{i,t} m_{i,t}
+                (``ds_hilore.grpo.exposure.predicted``; |A_i| x response tokens ranks the same
+                way). A zero must mean a zero loss coefficient: on-policy with no KL or entropy
+                term (beta = 0). With beta > 0 or an entropy bonus, do not call this. A wrong
+                zero is caught after the forward (its units are recomputed: exact, slower).
+            step_exposure: optional, the same prediction summed over every microbatch of the
+                optimizer step on every rank: the risk then reads this microbatch against the
+                step (NOTE [ Risk in step units ] in risk.py); without it, against a running
+                reference.
+        """
         self.expected = None if exposure is None else [float(x) for x in exposure]
+        self.expected_step = None if exposure is None or step_exposure is None else float(step_exposure)
 
     def hold_out(self) -> None:
         """Hold the next planned microbatch out for a ranking check of the risk model, run at
@@ -190,12 +232,19 @@ class Scheduler:
     @property
     def stats(self) -> dict[str, Any]:
         s = self.last_stats or self.step_stats
-        est = s.get("grad_error_est") or []
+        est = self._estimates(s)
         bucket = self.bucket
         return {"peak_bytes": s.get("peak_bytes"),
                 "budget_bytes": bucket.budget_bytes if bucket else None,
-                "grad_error_est": sum(est) / len(est) if est else None,
+                "budget_bound": bucket.budget_bound if bucket else None,
+                "peak_exact": s.get("peak_exact"),
+                "peak_reserved_bytes": s.get("peak_reserved_bytes"),
+                "grad_error_est": est["step"],
                 "grad_error_measured": s.get("grad_error_measured"),
+                "grad_error_est_microbatch": est["microbatches"],
+                "grad_error_measured_microbatch": s.get("grad_error_measured_microbatch"),
+                "exposure_quartiles": _quartile_shares(s.get("exposure_slices")),
+                "predicted_microbatches": s.get("predicted_microbatches", 0),
                 "alloc_s": s.get("alloc_s", self.alloc_s),
                 "risk_budget": self.config.grad_error_tolerance * self.tighten,
                 "plans": {f"{k[0]}x{k[1]}": (b.plan.to_dict() if b.plan else None)
@@ -205,24 +254,30 @@ class Scheduler:
                                   for k, b in self.buckets.items() if b.loo_utilities is not None},
                 "ranking": self.passes.ranking,
                 "calibration": {"microbatches": self.calibrated, "seconds": self.passes.seconds,
+                                "dropped_nonfinite": self.passes.dropped,
                                 "susceptibility": dict(self.risk.to_dict()["samples"])},
                 "profiles": {f"{k[0]}x{k[1]}": (b.profile.to_dict() if b.profile else None)
                              for k, b in self.buckets.items()}}
 
     def state_dict(self) -> dict[str, Any]:
         return {"risk": self.risk.to_dict(), "tighten": self.tighten, "calibrated": self.calibrated,
+                "step_exposure": self.step_exposure.to_dict(),
                 "profiles": [b.profile.to_dict() for b in self.buckets.values() if b.profile],
                 "excluded": {f"{k[0]}x{k[1]}": sorted(b.excluded) for k, b in self.buckets.items()
-                             if b.profile}}
+                             if b.profile},
+                "shortest": {f"{k[0]}x{k[1]}": b.shortest for k, b in self.buckets.items()
+                             if b.profile and b.shortest}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.risk = RiskModel.from_dict(state.get("risk", {}))
         self.tighten = float(state.get("tighten", 1.0))
         self.calibrated = int(state.get("calibrated", 0))
+        self.step_exposure = StepExposure.from_dict(state.get("step_exposure", {}))
         for data in state.get("profiles", []):
             profile = BucketProfile.from_dict(data)
             bucket = Bucket(profile.key, Profiler(profile.key, 0), profile)
             bucket.excluded = set(state.get("excluded", {}).get(f"{profile.key[0]}x{profile.key[1]}", []))
+            bucket.shortest = state.get("shortest", {}).get(f"{profile.key[0]}x{profile.key[1]}")
             self.buckets[profile.key] = bucket
             self._plan_bucket(bucket, profiled=False)
 
@@ -232,20 +287,27 @@ class Scheduler:
             bucket.profile = self._agree(bucket.profiler.result())
         profile = bucket.profile
         device = self._device()
-        bucket.budget_bytes = budgets.budget_bytes(self.config, profile.gc_peak_bytes, device)
-        headroom = bucket.budget_bytes - profile.gc_peak_bytes
-        if headroom < 0:
+        bucket.budget_bytes, bound = budgets.budget_and_bound(self.config, profile.gc_peak_bytes, device)
+        bucket.budget_bound = bound
+        relative = bound != "device" and self.config.memory_budget_bytes is None and \
+            self.config.memory_fraction is None  # m x GC's peak (NOTE [ Priced for the bucket's longest ])
+        bucket.byte_scale, gc_peak = _longest(bucket, relative)
+        headroom = bucket.budget_bytes - gc_peak
+        if headroom < 0 and profiled:  # once per shape; replans reuse the same numbers
             logger.warning("ds_hilore: the memory budget (%s: %.1f MiB per rank) is below what "
                            "gradient checkpointing itself needs on %dx%d (%.1f MiB); running as GC "
                            "(all R). Fix: raise the budget.", budgets.describe(self.config),
-                           bucket.budget_bytes / 2**20, *bucket.key, profile.gc_peak_bytes / 2**20)
+                           bucket.budget_bytes / 2**20, *bucket.key, gc_peak / 2**20)
         bucket.plan = self._broadcast(allocate(profile, self.risk, headroom, self._risk_budget(),
                                                self.runtime._codec is not None,
-                                               excluded=frozenset(bucket.excluded)))
+                                               excluded=frozenset(bucket.excluded),
+                                               byte_scale=bucket.byte_scale))
         mix = {a: sum(1 for x in bucket.plan.actions.values() if x == a) for a in "HLSR"}
-        logger.info("ds_hilore: plan for %dx%d: %s, %.1f MiB kept of %.1f MiB headroom, est. "
-                    "error %.4f", *bucket.key, mix, bucket.plan.memory_bytes / 2**20,
-                    max(headroom, 0) / 2**20, bucket.plan.risk)
+        # said once per shape; replans (calibration, validation, leave-one-out) at DEBUG
+        logger.log(logging.INFO if profiled else logging.DEBUG,
+                   "ds_hilore: plan for %dx%d: %s, %.1f MiB kept of %.1f MiB headroom, est. "
+                   "error %.4f", *bucket.key, mix, bucket.plan.memory_bytes / 2**20,
+                   max(headroom, 0) / 2**20, bucket.plan.risk)
 
     def replan(self) -> None:
         """After calibration or validation changed the risk model: every bucket again."""
@@ -254,33 +316,76 @@ class Scheduler:
                 self._plan_bucket(bucket, profiled=False)
 
     def _apply(self, bucket: Bucket, recompute_layer: int | None = None) -> None:
-        """The bucket's plan for this microbatch: splits by predicted exposure, A = 0 elided;
-        ``recompute_layer``: that layer R instead (a leave-one-out variant)."""
-        plan, batch = bucket.plan, bucket.key[0]
+        """The bucket's plan for this microbatch: splits by predicted exposure (the most exposed
+        sequences H, the least exposed L), sequences predicted 0 elided (E) and the memory they
+        leave spent (``_plan_for_rows``); ``recompute_layer``: that layer R instead (a
+        leave-one-out variant, timed on the bucket's own plan)."""
+        plan, batch = bucket.plan, min(self.rows_here, bucket.key[0])  # NOTE [ Uneven batches ]
         if recompute_layer is not None:
             layer_of = {c.name: c.layer for c in bucket.profile.units}
             plan = dataclasses.replace(plan, actions={
                 n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
-        order = sorted(range(batch), key=lambda i: expected[i]) if expected else list(range(batch))
-        packed = set(order[:batch // 2])  # the less exposed half
-        elide = expected and not _stores_all(bucket)  # keeps_whole: nothing short of memory
+        elide = bool(expected) and not _stores_all(bucket) and \
+            self.runtime.config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
+        if bucket.loo is None:
+            plan = self._plan_for_rows(bucket, expected if elide else None)
+        kept = [i for i in range(batch) if not (elide and expected[i] == 0)]
+        order = sorted(kept, key=lambda i: (expected[i], i)) if expected else kept
+        packed = set(order[:len(kept) // 2])  # the less exposed half of the sequences kept
         actions, rows = {}, {}
         for name, action in plan.actions.items():
             actions[name] = "H" if action == "S" else action
             if action in ("S", "H", "L") and (action == "S" or elide):
                 per_row = ["L" if (action == "S" and i in packed) or action == "L" else "H"
                            for i in range(batch)]
-                if elide and not self.runtime.config.exposure_source == "hidden_grad":
-                    per_row = ["E" if expected[i] == 0 else a for i, a in enumerate(per_row)]
+                if elide:
+                    per_row = ["E" if i not in kept else a for i, a in enumerate(per_row)]
                 rows[name] = tuple(per_row)
+        self.applied = (expected, self.expected_step) if expected else None
+        if expected:  # stats: how many microbatches were planned from a prediction
+            stats = self.step_stats
+            stats["predicted_microbatches"] = stats.get("predicted_microbatches", 0) + 1
         self.runtime.apply_plan(actions, rows)
+
+    def _plan_for_rows(self, bucket: Bucket, expected: list[float] | None) -> Plan:
+        """NOTE [ Freed memory is spent ]
+        A microbatch whose prediction elides sequences keeps only the others' bytes, and one
+        predicted less exposed than the step's mean microbatch carries less risk: the bucket's
+        knapsack is re-solved for it (pure, cached per (rows kept, risk factor)), with each
+        per-sequence unit's bytes and codec times scaled to the rows kept and each risk by
+        rho = P_m / (P_step / N) (NOTE [ Risk in step units ] in risk.py; 1 without a step
+        prediction). Units kept whole (not per sequence) and fast-forward tensors keep their
+        full price, so the plan stays within the bucket's headroom. The same on every rank:
+        the worst case over ranks (most rows kept, largest rho) is planned for."""
+        batch = bucket.key[0]
+        missing, kept, rho = 1.0, float(batch), 1.0
+        if expected is not None:
+            missing, kept = 0.0, float(sum(1 for x in expected if x != 0))
+            step, count = self.expected_step, self.step_exposure.previous_count
+            if step and count and sum(expected) > 0:
+                rho = round(sum(expected) / (step / count), 2)  # coarse: plans are cached
+        collective = self.runtime.collective
+        if collective is not None:
+            missing, kept, rho = collective.all_reduce_max_float([missing, kept, rho])
+        if missing or (kept >= batch and rho == 1.0) or bucket.plan.headroom_bytes <= 0:
+            return bucket.plan
+        key = (id(bucket.plan), int(kept), rho)  # the value holds the plan: its id stays unique
+        if key not in self.row_plans:
+            if len(self.row_plans) > 64:
+                self.row_plans.clear()
+            profile = _kept_rows(bucket.profile, int(kept), batch)
+            self.row_plans[key] = (bucket.plan, allocate(
+                profile, self.risk.scaled(rho), bucket.plan.headroom_bytes, self._risk_budget(),
+                self.runtime._codec is not None, excluded=frozenset(bucket.excluded),
+                byte_scale=bucket.byte_scale))  # NOTE [ Priced for the bucket's longest ]
+        return self.row_plans[key][1]
 
     def _start_loo(self, bucket: Bucket) -> None:
         layers = sorted({c.layer for c in bucket.profile.units if bucket.plan.actions[c.name] != "R"})
         repeats = self.config.plan_validation_microbatches
         if layers and repeats:
-            bucket.loo = LeaveOneOut(layers, repeats)
+            bucket.loo = LeaveOneOut(layers, repeats, tokens=bucket.key[0] * bucket.key[1])
 
     def _finish_loo(self, bucket: Bucket) -> None:
         loo, bucket.loo = bucket.loo, None
@@ -297,9 +402,9 @@ class Scheduler:
             self._plan_bucket(bucket, profiled=False)
 
     def _end_timing(self, mb) -> None:
-        loo, variant, begin = mb.timing
+        loo, variant, begin, tokens = mb.timing
         mb.timing = None
-        loo.record(variant, self._now() - begin)
+        loo.record(variant, self._now() - begin, tokens)  # NOTE [ Timings per token ]
 
     def _now(self) -> float:
         """Leave-one-out's clock: CUDA wall time after a sync; on CPU the process's CPU time
@@ -310,14 +415,54 @@ class Scheduler:
             return time.perf_counter()
         return time.process_time()
 
-    def _fit_risk(self, mb, bucket: Bucket) -> tuple[float, list[str]]:
-        """Estimated error of this microbatch, and the packed units sent to R (riskiest first)
-        until it fits the risk budget."""
+    def _fit_risk(self, mb, bucket: Bucket) -> tuple[float, float, list[str]]:
+        """(risk, M_m, units sent to R): this microbatch's absolute risk sum_u s eps_u E_{u,S}
+        after the decision, its exposure mass, and the packed units sent to R, riskiest first,
+        until sum_u s eps_u E_{u,S} / M_ref fits the risk budget (NOTE [ Risk in step units ]
+        in risk.py). One decision for all ranks: the per-unit risks are all-reduced (max) over
+        a vector of every unit, so every rank sends the same units to R."""
+        mass, exposure = self._read_exposure(mb)
+        total_mass = sum(mass)
+        predicted = getattr(mb, "predicted", None) or (None, None)
+        reference = self.step_exposure.reference(
+            total_mass, sum(predicted[0]) if predicted[0] else None, predicted[1])
+        risks = self._unit_risks(mb, bucket, mass, exposure)  # name -> s eps E_{u,S}
+        names = [u.name for u in self.runtime.units]
+        scaled = [risks.get(n, 0.0) / reference if reference > 0 else 0.0 for n in names]
+        collective = self.runtime.collective
+        if collective is not None:  # one decision for all ranks (a rank-local R hangs ZeRO-3)
+            scaled = collective.all_reduce_max_float(scaled)
+        budget, total = self._risk_budget(), sum(scaled)
+        downgraded = []
+        for k in sorted(range(len(names)), key=lambda k: (-scaled[k], k)):
+            if total <= budget or scaled[k] <= 0:
+                break
+            unit = self.runtime.units[k]
+            frame = mb.frame(unit.layer_index)
+            if frame is not None and frame.plan.actions[unit.pos] != "R":
+                self.runtime.downgrade(unit.name, "R")
+            downgraded.append(unit.name)
+            total -= scaled[k]
+            risks.pop(unit.name, None)
+        self._count_slices(mb, mass)
+        return sum(risks.values()), total_mass, downgraded
+
+    def _read_exposure(self, mb) -> tuple[list[float], dict[str, list[float]]]:
+        """(M_i per sequence, E_{u,i} per unit and sequence) of ``mb``: one read of the device."""
+        abs_omega = mb.token_weights  # (B, T) |ω| on hidden positions
+        if abs_omega is None:
+            return [], {}
+        segments = mb.segments if abs_omega.shape[0] == 1 and mb.segments else None
+        mass = exposures.row_mass(abs_omega, segments)  # (B,) or (K,)
+        names = [n for n, v in mb.exposure.items() if v.shape == mass.shape]
+        rows = torch.stack([mass] + [mb.exposure[n] for n in names]).tolist()
+        return rows[0], dict(zip(names, rows[1:]))
+
+    def _unit_risks(self, mb, bucket: Bucket, mass, exposure) -> dict[str, float]:
+        """s eps_u E_{u,S} of every unit with packed rows S (E_{u,S} from the unit's token
+        weights; without them the rows' mass sum_{i in S} M_i)."""
         costs = {c.name: c for c in bucket.profile.units}
         n_layers = 1 + max(c.layer for c in costs.values())
-        names = list(mb.exposure)
-        rows = torch.stack([mb.exposure[n] for n in names]).tolist() if names else []  # one read
-        exposure = dict(zip(names, rows))
         risks = {}
         for frame in mb.live_frames():
             for pos, unit in enumerate(frame.layer.units):
@@ -326,21 +471,47 @@ class Scheduler:
                 packed = [i for i, state in enumerate(_row_states(frame, pos)) if state == "L"]
                 if not packed:
                     continue
+                values = exposure.get(unit.name) or mass
+                exposed = sum(values[i] for i in packed if i < len(values))
                 cost = costs[unit.name]
-                part = share(exposure[unit.name], packed) if unit.name in exposure else \
-                    len(packed) / frame.batch
                 risks[unit.name] = self.risk.risk(group_of(cost.kind, cost.layer, n_layers),
-                                                  cost.rel_error, part)
-        budget = self._risk_budget()
-        total = sum(risks.values())
-        downgraded = []
-        for name in sorted(risks, key=risks.get, reverse=True):
-            if total <= budget:
-                break
-            self.runtime.downgrade(name, "R")
-            downgraded.append(name)
-            total -= risks.pop(name)
-        return total, downgraded
+                                                  cost.rel_error, exposed)
+        return risks
+
+    def _count_slices(self, mb, mass: list[float]) -> None:
+        """Where H, L (bytes) and R (unit-sequence slices) went: on the top and the bottom
+        exposure quartile of the sequences (by M_i), and in all (``exposure_quartiles``)."""
+        if len(mass) < 2:
+            return
+        top, bottom = quartile_rows(mass)
+        tally = self.step_stats.setdefault("exposure_slices", {})
+        for frame in mb.live_frames():
+            if frame.sequences != len(mass):
+                continue
+            for pos in range(len(frame.layer.units)):
+                if frame.plan.actions[pos] == "R":
+                    states, per_state = ["R"] * frame.sequences, {}
+                else:
+                    states = _row_states(frame, pos)
+                    _, nbytes = frame.unit_summary(pos)
+                    per_state = {a: nbytes.get(a, 0) / max(1, states.count(a)) for a in "HL"}
+                for i, state in enumerate(states):
+                    if state in ("H", "L", "R"):
+                        row = tally.setdefault(state, [0.0, 0.0, 0.0])  # top, bottom, all
+                        value = per_state[state] if state != "R" else 1.0
+                        row[0] += value if i in top else 0.0
+                        row[1] += value if i in bottom else 0.0
+                        row[2] += value
+
+    def _estimates(self, stats: dict) -> dict:
+        """The step's estimate (sum of its risks, NOTE [ Risk in step units ]) and each
+        microbatch's own (relative to its gradient); for a step in progress, this rank's so far."""
+        closed = stats.get("grad_error_est_step")
+        if closed is not None:
+            return {"step": closed["step"], "microbatches": list(stats.get("grad_error_est") or [])}
+        mass = sum(self.step_exposure.masses)
+        step = sum(self.step_exposure.risks) / mass if mass > 0 else None
+        return {"step": step, "microbatches": list(stats.get("grad_error_est") or [])}
 
     def _risk_budget(self) -> float:
         return self.config.grad_error_tolerance * self.tighten
@@ -349,59 +520,119 @@ class Scheduler:
     def _end_profile(self, mb) -> None:
         sample, mb.profile = mb.profile, None
         sample.sample_memory()
-        peak = self._close_meter() or sample.peak_bytes
+        peak = self._close_meter(sample.peak_bytes) or sample.peak_bytes
         positions = {layer.index: k for k, layer in enumerate(self.runtime._layers)}
         bucket = self.buckets[mb.plan_key]
         bucket.profiler.add(sample, positions, peak, self.baseline)
         self.step_stats["peak_bytes"] = max(self.step_stats["peak_bytes"] or 0, peak or 0) or None
 
+    # NOTE [ Shared peak counters ] (runtime/memory.py): CUDA's peak counters are never reset;
+    # a profiled microbatch and the step are windows read as offsets. A GC peak that stayed
+    # under an earlier peak is known only between bounds: a budget relative to it is safe with
+    # the lower bound (less headroom), an absolute one with the upper (the GC peak subtracted).
     def _open_meter(self) -> None:
         device = self._device()
         self.baseline = in_use_bytes(device)
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.meter = True
+            self.meter = DevicePeak(device)
 
-    def _close_meter(self) -> int | None:
-        metering, self.meter = self.meter, None
-        return torch.cuda.max_memory_allocated(self._device()) if metering else None
+    def _close_meter(self, sampled: int = 0) -> int | None:
+        """The profiled microbatch's GC peak on CUDA (None on CPU, or when none was metered),
+        ``sampled``: in-use bytes read inside it; also starts the step's window at its first forward."""
+        meter, self.meter = self.meter, None
+        device = self._device()
+        if device.type == "cuda" and (self.step_meter is None or self.step_meter[0] != self.steps):
+            self.step_meter = (self.steps, DevicePeak(device))
+        if meter is None:
+            return None
+        meter.floor = max(meter.floor, sampled)
+        meter.close()
+        relative = self.config.memory_budget_bytes is None and self.config.memory_fraction is None
+        self.step_stats["peak_exact"] = self.step_stats.get("peak_exact", True) and meter.exact
+        self.step_stats["peak_reserved_bytes"] = max(self.step_stats.get("peak_reserved_bytes") or 0,
+                                                     meter.reserved_peak)
+        return meter.peak if relative else meter.upper
 
     def _peak_now(self) -> int:
         device = self._device()
-        if device.type == "cuda":
-            return torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda":  # the step's peak so far: exact, or its highest reading
+            if self.step_meter is None or self.step_meter[0] != self.steps:
+                self.step_meter = (self.steps, DevicePeak(device))
+            return self.step_meter[1].close()
         return in_use_bytes(device)  # CPU: sampled where the peak lives, the start of the backward
 
     # ------------------------------------------------------------------ ranks
-    def _bucket_key(self, args, kwargs) -> tuple[int, int]:
-        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if ids is None:
-            ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        batch, length = (ids.shape[0], ids.shape[1]) if ids is not None and ids.dim() >= 2 else (1, 1)
+    def _bucket_key(self, batch: int, length: int) -> tuple[tuple[int, int], int]:
+        """NOTE [ Uneven batches ]
+        The bucket is the max over ranks of (sequences, length rounded up to a power of two):
+        one plan for every rank. A rank's microbatch may hold fewer sequences than the bucket
+        (an uneven last microbatch, a dynamic batch size): its per-sequence rows are sized from
+        its own sequences (``rows_here``), never from the bucket's; its plan, priced for the
+        bucket's most sequences, only keeps fewer bytes. Also returned: the shortest length
+        over ranks (NOTE [ Priced for the bucket's longest ])."""
         collective = self.runtime.collective
+        shortest = length
         if collective is not None:
-            batch, length = collective.all_reduce_max([batch, length])
-        return int(batch), 1 << max(0, math.ceil(math.log2(max(1, length))))
+            batch, length, negative = collective.all_reduce_max([batch, length, -length])
+            shortest = -negative
+        return (int(batch), 1 << max(0, math.ceil(math.log2(max(1, length))))), int(shortest)
 
     def _agree(self, profile: BucketProfile) -> BucketProfile:
-        """Every rank plans from the same numbers: the element-wise max over ranks."""
+        """Every rank plans from the same numbers: the element-wise max over ranks; a unit
+        excluded from L on any rank is excluded on all (NOTE [ Non-finite tensors ] in
+        plan/profile.py: the max of L bytes alone can fall below the max of H bytes)."""
         collective = self.runtime.collective
         if collective is None:
             return profile
         fields = ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error")
-        values = [getattr(u, f) for u in profile.units for f in fields]
-        values += [u.h_bytes for u in profile.units] + [u.l_bytes for u in profile.units]
-        values += [u.ff_bytes for u in profile.units] + [profile.gc_peak_bytes]
-        values = collective.all_reduce_max_float([float(v) for v in values])
-        n, k = len(profile.units), len(fields)
+        counts = ("h_bytes", "l_bytes", "ff_bytes", "nonfinite_tensors")
+        values = [getattr(u, f) for u in profile.units for f in fields + counts]
+        values = collective.all_reduce_max_float([float(v) for v in values + [profile.gc_peak_bytes]])
+        k = len(fields) + len(counts)
         for i, unit in enumerate(profile.units):
-            for j, f in enumerate(fields):
-                setattr(unit, f, values[i * k + j])
-            unit.h_bytes = int(values[n * k + i])
-            unit.l_bytes = int(values[n * k + n + i])
-            unit.ff_bytes = int(values[n * k + 2 * n + i])
+            for j, f in enumerate(fields + counts):
+                value = values[i * k + j]
+                setattr(unit, f, int(value) if f in counts else value)
+            exclude_nonfinite(unit)
         profile.gc_peak_bytes = int(values[-1])
         return profile
+
+    # NOTE [ Memory that appears after profiling ]
+    # A shape is profiled in the first microbatches, before the optimizer has stepped; memory
+    # created at its first step (a torch optimizer's state: AdamW's two moments, 2x the
+    # trainable parameters in fp32) is in no profiled baseline, so a plan priced then would
+    # run past an absolute budget by all of it (measured: 1.35x). So at the end of the first
+    # step (after the optimizer's), what is in use now beyond each profile's baseline is
+    # added to its baseline and to GC's peak, and the bucket is planned again: within the
+    # headroom left, or, below what GC now needs, all R with the warning ``_plan_bucket``
+    # gives. The growth is the max over ranks, so every rank plans again the same buckets.
+    # Not seen: a profile completed after the first step whose baseline (the least of its
+    # samples') comes from before it; gradients held at the baseline and freed before
+    # ``end_step`` (the growth is short by them).
+    def _charge_memory_after_profiling(self) -> None:
+        profiled = [b for b in self.buckets.values() if b.profile is not None]
+        if self.steps != 0 or not profiled:
+            return
+        now = in_use_bytes(self._device())
+        grown = [float(max(0, now - b.profile.baseline_bytes)) for b in profiled]
+        if self.runtime.collective is not None:
+            grown = self.runtime.collective.all_reduce_max_float(grown)
+        for bucket, extra in zip(profiled, grown):
+            if extra <= 0:
+                continue
+            logger.info("ds_hilore: %.1f MiB in use appeared after %dx%d was profiled (e.g. the "
+                        "optimizer's state); planned again for it", extra / 2**20, *bucket.key)
+            bucket.profile.baseline_bytes += int(extra)
+            bucket.profile.gc_peak_bytes += int(extra)
+            self._plan_bucket(bucket, profiled=False)
+            headroom = bucket.plan.headroom_bytes
+            if headroom < 0:  # a replan does not repeat _plan_bucket's warning: said here
+                logger.warning("ds_hilore: %.1f MiB appeared after %dx%d was profiled (e.g. the "
+                               "optimizer's state): the memory budget (%s: %.1f MiB per rank) is "
+                               "now below what gradient checkpointing itself needs (%.1f MiB); "
+                               "running as GC (all R). Fix: raise the budget.", extra / 2**20,
+                               *bucket.key, budgets.describe(self.config),
+                               bucket.budget_bytes / 2**20, (bucket.budget_bytes - headroom) / 2**20)
 
     def _broadcast(self, plan: Plan) -> Plan:
         collective = self.runtime.collective
@@ -417,6 +648,48 @@ class Scheduler:
         self.step_stats = {"peak_bytes": None, "grad_error_est": [], "grad_error_measured": None}
 
 
+# NOTE [ Priced for the bucket's longest ]
+# A bucket holds every length in (L/2, L] (L a power of two), its profile comes from its first
+# microbatches, and its plan runs on all of them: priced at the profiled lengths, a plan run at
+# L keeps more than it was priced for (measured: 1.13x the budget, profiled at 66, run at 128).
+# So bytes are priced for L, from the shortest profiled length T0 (over ranks and profiled
+# microbatches, saved with the profile; a profile given without it, by a state of an earlier
+# version or by hand, is taken as measured at L), r = L/T0:
+# * a unit's saved bytes grow with T at most like its tensors do: an MLP is per token, its
+#   tensors are (B, T, .) -- x r exactly; attention (and a whole-layer unit) may save (B, h, T,
+#   T) scores -- x r^2 bounds it (its per-token tensors grow less). The profile's bytes are
+#   medians over microbatches no shorter than T0, so they are at least the bytes at T0, and
+#   the scaled price is at least what the plan keeps at any length of the bucket.
+# * a relative budget (memory_budget x GC's peak) leaves headroom (m - 1) x GC's peak; GC's
+#   peak only grows with T, so the profiled one is a lower bound of GC's at L and the
+#   headroom priced from it never exceeds what the budget allows there: peak(T) <= GC(T) +
+#   kept(T) <= GC(T) + (m - 1) GC(T0) <= m GC(T).
+# * an absolute budget (bytes, a fraction of the device, or the device's own bound) must hold
+#   GC's peak at L: it is bounded by the baseline (weights, optimizer state: no T) plus the
+#   part above it x r^2 (every activation, logits included, grows at most like T^2; gradients
+#   of the parameters do not grow at all, so this overestimates): safe, and exact at r = 1.
+# Times are not scaled: they rank options, they do not bound anything.
+def _longest(bucket: Bucket, relative: bool) -> tuple[dict[str, float], int]:
+    """(bytes factor per unit kind, GC's peak to plan under) for the bucket's longest length."""
+    profile, length = bucket.profile, bucket.key[1]
+    shortest = bucket.shortest or length
+    r = length / max(1, min(shortest, length))
+    byte_scale = {c.kind: (r if c.kind == "mlp" else r * r) for c in profile.units}
+    gc_peak = profile.gc_peak_bytes
+    if not relative:
+        above = max(0, gc_peak - profile.baseline_bytes)
+        gc_peak = profile.baseline_bytes + math.ceil(above * r * r)
+    return byte_scale, gc_peak
+
+
+def _shape(args, kwargs) -> tuple[int, int]:
+    """(sequences, positions) of a forward's input ids or embeddings; (1, 1) when none."""
+    ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if ids is None:
+        ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return (ids.shape[0], ids.shape[1]) if ids is not None and ids.dim() >= 2 else (1, 1)
+
+
 def _row_states(frame, pos: int) -> list[str]:
     states = None
     for stored in frame.units[pos].stored:
@@ -430,3 +703,24 @@ def _row_states(frame, pos: int) -> list[str]:
 def _stores_all(bucket: Bucket) -> bool:
     """The bucket's plan keeps every unit whole (H): no memory is short (``keeps_whole``)."""
     return bucket.plan is not None and all(a == "H" for a in bucket.plan.actions.values())
+
+
+def _quartile_shares(tally: dict | None) -> dict | None:
+    """Shares of H and L bytes (R: of recomputed slices) on the top and the bottom exposure
+    quartile of the sequences, over the step's fitted microbatches."""
+    if not tally:
+        return None
+    return {a: {"top": t / n, "bottom": b / n} for a, (t, b, n) in tally.items() if n > 0}
+
+
+def _kept_rows(profile: BucketProfile, kept: int, batch: int) -> BucketProfile:
+    """``profile`` priced for ``kept`` of its ``batch`` sequences (NOTE [ Freed memory is spent ])."""
+    units = []
+    for cost in profile.units:
+        if cost.sliceable and cost.rows == batch and kept < batch:
+            k = kept / batch
+            cost = dataclasses.replace(cost, h_bytes=math.ceil(cost.h_bytes * k),
+                                       l_bytes=math.ceil(cost.l_bytes * k), pack_s=cost.pack_s * k,
+                                       unpack_s=cost.unpack_s * k, rows=max(kept, 1))
+        units.append(cost)
+    return dataclasses.replace(profile, units=units)

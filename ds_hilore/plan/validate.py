@@ -22,6 +22,16 @@ pay; otherwise the profile's verdict stands. (With two rounds on a shared 2-core
 alone sent every layer of a small model to R in one run of six: noise read as "does not pay".) On a CPU the timings
 are the process's CPU time, which other tenants' load moves much less than the wall clock.
 Pure bookkeeping: the scheduler runs the variants and reads the decision.
+
+NOTE [ Timings per token ]
+The microbatches of one bucket have different lengths (anything in (L/2, L]) and, on an uneven
+last microbatch, different numbers of sequences, and a microbatch's time grows with its tokens:
+timed as they come, a variant that happened to run on shorter microbatches looks faster, and a
+layer that pays is dropped (simulated on 28 layers: 5.8 layers per plan). So each timing is
+normalised to the bucket's tokens (B x L) before anything compares them: seconds x tokens of
+the bucket / tokens of the microbatch. Time is close to linear in tokens for these shapes
+(attention's quadratic part is a small share at the lengths one bucket spans); the residue
+falls into the spread that the noise rule already reads.
 """
 
 from __future__ import annotations
@@ -32,7 +42,10 @@ class LeaveOneOut:
 
     WARM_UP = "warm-up"  # the plan, untimed
 
-    def __init__(self, layers: list[int], repeats: int):
+    def __init__(self, layers: list[int], repeats: int, tokens: int | None = None):
+        """``tokens``: the bucket's (B x L), what every timing is normalised to (NOTE [ Timings
+        per token ]); None: timings are compared as recorded."""
+        self.tokens = tokens
         variants: list[int | None] = [None, *layers]
         self.queue: list = [self.WARM_UP, *(v for _ in range(repeats) for v in variants)]
         self.times: dict[int | None, list[float]] = {v: [] for v in variants}
@@ -47,9 +60,13 @@ class LeaveOneOut:
         self.current = self.queue.pop(0)
         return self.current
 
-    def record(self, variant, seconds: float) -> None:
-        if variant != self.WARM_UP:
-            self.times[variant].append(seconds)
+    def record(self, variant, seconds: float, tokens: int | None = None) -> None:
+        """The time of one run of ``variant`` on a microbatch of ``tokens`` tokens."""
+        if variant == self.WARM_UP:
+            return
+        if self.tokens and tokens:  # NOTE [ Timings per token ]
+            seconds *= self.tokens / tokens
+        self.times[variant].append(seconds)
 
     def flat(self) -> list[float]:
         return [t for v in self.times for t in self.times[v]]

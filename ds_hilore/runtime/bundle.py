@@ -456,7 +456,8 @@ class LayerFrame:
             slot = Slot(self, pos, WEIGHT)
             slot.weight = weight
             if weight.proof is not None:  # read once per microbatch (storage.py)
-                self.ctx.counters.checks.append((weight.proof, weakref.ref(self), pos, "cast"))
+                self.ctx.counters.checks.append((weight.proof, weakref.ref(self), pos, "cast",
+                                                 weakref.ref(slot)))
                 weight.proof = None
         elif t.untyped_storage().data_ptr() in self.input_ptrs:
             slot = Slot(self, pos, INPUT)

@@ -14,8 +14,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import shutil
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -29,7 +31,7 @@ from ds_hilore._errors import HiLoReConfigError, bug
 from ds_hilore.runtime.memory import live_storage_bytes
 
 __all__ = ["CODECS", "CODEC_BACKENDS", "Codec", "CodecSpec", "Packed", "codec_from_config",
-           "compiled_graph_counts", "get_codec"]
+           "compile_unavailable", "compiled_graph_counts", "get_codec"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,8 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127.0  # symmetric grid [-127, 127]: -128 is never produced
 FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32
-_EAGER_CHUNK_NUMEL = 1 << 18  # elements per eager chunk: each fp32 temporary stays <= 1 MiB
+_EAGER_CHUNK_NUMEL = 1 << 18  # elements per eager chunk on a CPU: fp32 temporaries <= 1 MiB
+_EAGER_CHUNK_NUMEL_ACCELERATOR = 1 << 24  # on other devices (NOTE [ Eager chunks ])
 
 
 # NOTE [ Codec kernels ]
@@ -72,11 +75,21 @@ _EAGER_CHUNK_NUMEL = 1 << 18  # elements per eager chunk: each fp32 temporary st
 # inductor split its single loop over rows (amax, then quantise + measure, a row staying
 # in cache) into separate passes over x.
 #
-# Eager runs in row chunks of <= _EAGER_CHUNK_NUMEL elements, so its temporaries stay small.
-# It is used for backend="eager", when compilation failed (logged once, never fatal), and
+# Eager is used for backend="eager", when compilation is unavailable or failed (said once per
+# kernel, with the reason, never fatal: ``compile_unavailable``, ``_Kernel.compiled``), and
 # whenever a TorchDispatchMode is active (e.g. memory.PeakMeter): dynamo then runs compiled
-# functions eagerly anyway, and unchunked eager would allocate several full-size fp32
-# temporaries that the compiled kernel never has, inflating the measured peak.
+# functions eagerly anyway. It runs in row chunks (NOTE [ Eager chunks ]).
+#
+# NOTE [ Eager chunks ]
+# Unchunked, the eager kernel allocates several full-size fp32 temporaries that the compiled
+# kernel never has; chunked, it pays a few kernel launches per chunk. The right chunk depends on
+# the device. On a CPU the launches cost microseconds and a chunk that stays in cache is much
+# faster than one pass over the tensor (int8 encode of 8192 x 1024 bf16, one thread: 31 ms in
+# 2^18-element chunks, 660 ms in one call), so chunks are 2^18 elements (fp32 temporaries
+# <= 1 MiB) -- also under a dispatch mode on any device, where a peak is being measured. On an
+# accelerator 2^18-element chunks are launch-bound (a few microseconds of work per launch),
+# so chunks are 2^24 elements: the launches are a small part of a pass over 64 MiB, a typical
+# activation takes a handful of chunks, and the temporaries stay bounded (<= 64 MiB each).
 
 
 @dataclass(frozen=True)
@@ -105,10 +118,12 @@ class Packed:
 
 
 def relative_errors(stats: list[torch.Tensor]) -> list[float]:
-    """Relative errors of packed tensors from their ``stats``, read from the device at once."""
+    """Relative errors of packed tensors from their ``stats``, read from the device at once:
+    0 for an all-zero tensor, NaN for a non-finite one (never 0: it was not packed faithfully)."""
     if not stats:
         return []
-    return [math.sqrt(e / n) if n > 0 else 0.0 for e, n in torch.stack(stats).tolist()]
+    return [math.sqrt(e / n) if n > 0 else 0.0 if n == 0 else math.nan
+            for e, n in torch.stack(stats).tolist()]
 
 
 _FAILED = object()  # what _Kernel.compiled returns when compilation failed
@@ -147,25 +162,39 @@ class _Kernel:
 
     def compiled(self, *args):
         """Run the compiled kernel; _FAILED if it cannot be compiled (then use ``fn``)."""
+        device_type = args[0].device.type
         if self._compiled is None:
+            reason = compile_unavailable(device_type)
+            if reason is not None:
+                return self._fail(reason)
             self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
                                            backend=self._inductor)
         try:
-            if torch.is_autocast_enabled(args[0].device.type):  # a guard: one graph per dtype
-                with torch.autocast(args[0].device.type, enabled=False):
-                    return self._call(args)
-            return self._call(args)
+            if torch.is_autocast_enabled(device_type):  # a guard: one graph per dtype
+                with torch.autocast(device_type, enabled=False):
+                    result = self._call(args)
+            else:
+                result = self._call(args)
         except torch.OutOfMemoryError:
             raise  # not a compiler failure: the eager kernel would run out of memory too
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: fall back, never crash
             root = exc  # dynamo wraps the compiler's own error: report that one
             while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
                 root = inner
-            self.failure = (f"{type(root).__name__}: {root}".splitlines() or ["?"])[0]
-            logger.warning("ds_hilore: torch.compile of codec kernel %s failed (%s); using its "
-                           "eager version from now on (same results, slower). Set "
-                           "codec_backend to 'eager' to skip the attempt.", self.name, self.failure)
-            return _FAILED
+            return self._fail((f"{type(root).__name__}: {root}".splitlines() or ["?"])[0])
+        if self.graphs == 0:  # dynamo ran the Python function itself: nothing was compiled
+            return self._fail("torch.compile ran it without compiling (torch.compiler.set_stance"
+                              "('force_eager'), TORCHDYNAMO_DISABLE, or a suppressed compiler error)")
+        return result
+
+    def _fail(self, reason: str):
+        """Eager from now on, said once with the reason (the planner then prices L with the
+        eager codec's measured costs)."""
+        self.failure = reason
+        logger.warning("ds_hilore: torch.compile of codec kernel %s failed (%s); using its "
+                       "eager version from now on (same results, slower: L may then not pay). "
+                       "Set codec_backend to 'eager' to skip the attempt.", self.name, reason)
+        return _FAILED
 
     def _call(self, args: tuple):
         args = _aliases(args, self.unbacked)
@@ -178,6 +207,27 @@ class _Kernel:
             result = self._compiled(*args)
         self._traced.add(dtypes)
         return result
+
+
+@functools.lru_cache(maxsize=None)
+def compile_unavailable(device_type: str) -> str | None:
+    """Why codec_backend 'compile' cannot work for tensors on ``device_type`` here, or None:
+    inductor needs a C++ compiler for CPU kernels and Triton for GPU kernels."""
+    if device_type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            compiler = cpp_builder.get_cpp_compiler()
+        except Exception as exc:  # noqa: BLE001 -- the probe's own failure is the reason
+            return f"inductor finds no C++ compiler ({exc})"
+        if shutil.which(compiler) is None:
+            return f"inductor's C++ compiler {compiler!r} is not on PATH"
+        return None
+    if device_type in ("cuda", "xpu"):
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed (inductor needs it on GPUs)"
+    return None
 
 
 def _aliases(args: tuple, unbacked: bool) -> list:
@@ -465,15 +515,22 @@ class Codec:
         if (self._use_compiled(kernel, q)
                 and kernel.compiled(q, scales, out, *static) is not _FAILED):
             return
-        rows = max(1, _EAGER_CHUNK_NUMEL // q.shape[1])
+        rows = _chunk_rows(q)
         for start in range(0, q.shape[0], rows):
             stop = start + rows
             kernel.fn(q[start:stop], scales[start:stop], out[start:stop], *static)
 
 
+def _chunk_rows(x: torch.Tensor) -> int:
+    """Rows of ``x`` (R, B) per eager chunk (NOTE [ Eager chunks ])."""
+    small = x.device.type == "cpu" or _dispatch_mode_active()
+    numel = _EAGER_CHUNK_NUMEL if small else _EAGER_CHUNK_NUMEL_ACCELERATOR
+    return max(1, numel // max(1, x.shape[1]))
+
+
 def _encode_in_chunks(fn, x: torch.Tensor, static: tuple):
     """Eager encode over row chunks (never reads the device)."""
-    rows = max(1, _EAGER_CHUNK_NUMEL // x.shape[1])
+    rows = _chunk_rows(x)
     if x.shape[0] <= rows:
         return fn(x, *static)
     q = amax = stats = None

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from ds_hilore._errors import HiLoReError
+from ds_hilore._errors import HiLoReError, HiLoReNameError
 from ds_hilore.config import HiLoReConfig
 from ds_hilore.grpo import exposure, handoff
 from ds_hilore.runtime import discovery
@@ -40,6 +40,7 @@ from ds_hilore.runtime.units import (
     Unit,
     find_layers,
     is_checkpointing_layer,
+    outside_compile,
 )
 from ds_hilore.runtime.weights import WeightRecognizer
 
@@ -48,6 +49,7 @@ logger = logging.getLogger("ds_hilore")
 ACTIONS = ("H", "L", "R")
 _ATTACHED: "weakref.WeakSet[HiLoReRuntime]" = weakref.WeakSet()
 _MAX_MICROBATCHES_KEPT = 64
+_UNPLANNED_WARNING_MICROBATCHES = 32  # training microbatches without any plan before it is said
 _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
 
 
@@ -146,6 +148,7 @@ class HiLoReRuntime:
         self._elision = Elision(self)
         self._warned_cache = False
         self._warned_packed = False
+        self._warned_ambiguous = False  # coefficients that name no forward (_microbatch_of)
         self._saved: list = []  # what attach changed, for detach
         self._hooks: list = []  # hook handles attach registered, for detach
         if not config.enabled:
@@ -155,11 +158,16 @@ class HiLoReRuntime:
         self._codec = codec_from_config(config)  # None for low_precision "none"
         self._plan_source: Mapping[str, str] | str = "R"  # until the allocator decides: as GC
         self._probing = False
+        self._forward_begun = False  # the model's pre-hook began the forward in progress
+        self._warned_unplanned = False
         self._every_n_layers = 1
         self._last_active = self._layers[-1].index  # the last layer that is HiLoRe's
         self._renumber()
+        self.script_checkpointing = _checkpointing_on(self._layers)
         self._install()
         self._probe()
+        if config.activate == "with_checkpointing":
+            self.follow_script_checkpointing()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -191,6 +199,28 @@ class HiLoReRuntime:
         self.attached = False
         self._mb = None
         _ATTACHED.discard(self)
+
+    # NOTE [ The script's checkpointing ]
+    # HiLoRe replaces gradient checkpointing; it must not add recomputation where the script
+    # trained without it. ``activate`` says where it turns on:
+    # * ``always``: attaching turns it on (the contract of ds_hilore.attach / initialize: the
+    #   caller asked for it by name);
+    # * ``with_checkpointing``: only where the script turned checkpointing on -- a decoder layer
+    #   had transformers' ``gradient_checkpointing`` flag set when HiLoRe attached, or the script
+    #   calls ``gradient_checkpointing_enable()`` later (NOTE [ Switching ]); until then the model
+    #   runs plain autograd, as without ds_hilore. Layers with no such flag (``layer_pattern``
+    #   layers) have no choice to read: HiLoRe is on for them.
+    # * ``auto``: ``always`` for attach / initialize, ``with_checkpointing`` for engines HiLoRe
+    #   joins without a script change (DS_HILORE, python -m ds_hilore.run): there the script,
+    #   not the user of ds_hilore, made the choice.
+    def follow_script_checkpointing(self) -> None:
+        """HiLoRe off when the script had not turned gradient checkpointing on (NOTE above);
+        the script's ``gradient_checkpointing_enable()`` turns it on."""
+        if self.attached and not self.script_checkpointing:
+            self._switch(False)
+            logger.info("ds_hilore: %s was trained without gradient checkpointing: HiLoRe stays "
+                        "off until gradient_checkpointing_enable() (activate: %s).",
+                        type(self.model).__name__, self.config.activate)
 
     def set_plan(self, plan: Mapping[str, str] | str, rows: Mapping[str, tuple[str, ...]] | None = None):
         """Capture actions for the next microbatches; ``force_plan`` still overrides them.
@@ -275,6 +305,23 @@ class HiLoReRuntime:
         frame.downgrade(pos, action, rows)
         self._summarise(self._mb)
 
+    def expect(self, exposure, step_exposure: float | None = None) -> None:
+        """Predicted exposure of the next microbatch's sequences, before its forward: the plan
+        splits them by it, never stores those predicted 0 and spends the memory they leave.
+
+        Args:
+            exposure: (B,) per sequence, e.g. ``ds_hilore.grpo.exposure.predicted(advantages,
+                response_mask)`` (|A_i| x response tokens). Only when a zero means a zero loss
+                coefficient: on-policy, beta = 0, no entropy bonus; otherwise do not call this.
+            step_exposure: optional, the same summed over the optimizer step's microbatches on
+                every rank (the risk then reads the microbatch against its step).
+
+        Does nothing without the allocator (``set_plan`` / ``force_plan`` decide then).
+        """
+        if self.policy is not None:
+            values = exposure.tolist() if isinstance(exposure, torch.Tensor) else exposure
+            self.policy.expect(values, step_exposure)
+
     def set_coefficients(self, coefficients: torch.Tensor, offset: int | None = None,
                          logp: torch.Tensor | None = None) -> None:
         """Hand the loss coefficients ω (B, T') of a microbatch to the runtime, before its backward.
@@ -313,10 +360,12 @@ class HiLoReRuntime:
                 if id(node) not in seen:
                     seen.add(id(node))
                     todo.extend(n for n, _ in node.next_functions if n is not None)
-        if len(live) > 1:
-            logger.warning("ds_hilore: %d forwards are alive and the coefficients do not say which "
-                           "one they belong to; nothing is elided. Pass logp= to set_coefficients "
-                           "(policy_loss does).", len(live))
+        if len(live) > 1:  # every step alike: said once, then at DEBUG
+            logger.log(logging.DEBUG if self._warned_ambiguous else logging.WARNING,
+                       "ds_hilore: %d forwards are alive and the coefficients do not say which "
+                       "one they belong to; nothing is elided. Pass logp= to set_coefficients "
+                       "(policy_loss does).", len(live))
+            self._warned_ambiguous = True
             return None
         return live[0] if live else None
 
@@ -364,7 +413,25 @@ class HiLoReRuntime:
         """Close the optimizer step: ``stats`` now reports it."""
         if self.policy is not None:
             self.policy.end_step()
+            self._warn_if_never_planned()
         self._last_step, self._step = self._step, []
+
+    def _warn_if_never_planned(self) -> None:
+        """Said once: the policy has run many microbatches and planned none (HiLoRe is GC)."""
+        wanted = max(_UNPLANNED_WARNING_MICROBATCHES, 4 * self.config.profile_microbatches)
+        if self._warned_unplanned or self._n_microbatches < wanted:
+            return
+        self._warned_unplanned = True
+        plans = self.policy.stats.get("plans") or {}
+        if any(plan is not None for plan in plans.values()):
+            return
+        logger.warning("ds_hilore: after %d training microbatches no shape has been planned: HiLoRe "
+                       "has run as gradient checkpointing (all R). Shapes seen (batch x length, "
+                       "rounded up to a power of two): %s; each needs profile_microbatches=%d "
+                       "microbatches before it is planned. Fix: keep microbatch shapes steady "
+                       "(pad to a few lengths), or lower profile_microbatches.",
+                       self._n_microbatches, sorted(plans)[:8] or "none",
+                       self.config.profile_microbatches)
 
     def state_dict(self) -> dict[str, Any]:
         """Learned state worth keeping across a resume: plan, and the policy's profiles and
@@ -404,6 +471,7 @@ class HiLoReRuntime:
                 self._remember(module, "_set_gradient_checkpointing")
                 module._set_gradient_checkpointing = _Toggle(self, module._set_gradient_checkpointing)
         self._hooks.append(self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True))
+        self._hooks.append(self.model.register_forward_hook(self._end_forward))
         # the leaf module running names the weight an autocast cast comes from (weights.py)
         for layer in self._layers:
             for leaf in layer.module.modules():
@@ -413,10 +481,35 @@ class HiLoReRuntime:
         self.attached = True
         _ATTACHED.add(self)
 
+    # NOTE [ Where a microbatch begins ]
+    # The policy plans a microbatch before its first layer runs. A forward of the model itself
+    # reaches the pre-hook on the model (begin_forward with the model's own arguments, which
+    # the matched passes can replay). Trainers also run the decoder layers without calling the
+    # model: the backbone alone (``model.model(...)``, a fused-loss head), a critic's
+    # ``forward_value`` calling the transformer inside it. Those forwards begin at the first
+    # layer's call instead, keyed by its hidden states' (B, T) -- the key the model's
+    # input_ids give for the same batch -- and are not replayed (no matched pass: the
+    # arguments the model would need are not known there).
+    @outside_compile  # NOTE [ Compiled layers ] (units.py)
     def _begin_forward(self, module, args, kwargs) -> None:
-        if (self.policy is not None and self.enabled and module.training and torch.is_grad_enabled()
-                and not self._probing and all(layer.split is not None for layer in self._layers)):
+        if self._plans_forward() and module.training:
+            self._forward_begun = True
             self.policy.begin_forward(args, kwargs)
+
+    @outside_compile  # NOTE [ Compiled layers ] (units.py)
+    def _end_forward(self, module, args, output) -> None:
+        self._forward_begun = False  # a forward that ran no HiLoRe layer begins nothing later
+
+    def _begin_at_layer(self, layer: LayerUnits, args: tuple, function) -> None:
+        """A forward that did not pass through the model's pre-hook: begin it here."""
+        begun, self._forward_begun = self._forward_begun, False
+        if not begun and layer is self._layers[0] and self._plans_forward():
+            hidden = hidden_input(args, getattr(function, "keywords", {}))  # (B, T, H)
+            self.policy.begin_forward((hidden,), {}, replayable=False)
+
+    def _plans_forward(self) -> bool:
+        return (self.policy is not None and self.enabled and torch.is_grad_enabled()
+                and not self._probing and all(layer.split is not None for layer in self._layers))
 
     def _enter_leaf(self, module, args) -> None:
         self._weights.leaf = module
@@ -451,8 +544,8 @@ class HiLoReRuntime:
         finally:
             self._probing, self._warned_cache = False, warned
             self._mb, self._step, self._n_microbatches = None, [], 0
-        if failure:
-            logger.warning("ds_hilore: %s; recovery units will be found at the first training "
+        if failure:  # said once, at attach; the first training forward finds the units instead
+            logger.info("ds_hilore: %s; recovery units will be found at the first training "
                         "forward.", failure)
 
     def _discover(self, layer: LayerUnits, function, args: tuple):
@@ -476,17 +569,19 @@ class HiLoReRuntime:
         if self._units and all(layer.units for layer in self._layers):
             unmatched = self.config.unmatched_force_plan_patterns([u.name for u in self._units])
             if unmatched:
-                raise HiLoReError(f"force_plan patterns {unmatched} match no recovery unit; unit "
-                                  f"names look like {self._units[0].name!r} (all: runtime.units).")
+                raise HiLoReNameError(f"hilore.force_plan patterns {unmatched} match no recovery unit; "
+                                      f"unit names look like {self._units[0].name!r} (all: runtime.units). "
+                                      "Fix the globs, or remove the keys that match nothing.")
 
     # ------------------------------------------------------------------ per layer call
+    @outside_compile  # NOTE [ Compiled layers ] (units.py)
     def _run_layer(self, layer: LayerUnits, function, args: tuple):
         if not torch.is_grad_enabled():
             return function(*args)
         function, args = self._without_cache(layer, function, args)
         if layer.split is None:
             return self._discover(layer, function, args)
-        mb = self._microbatch_for(layer.index)
+        mb = self._microbatch_for(layer, args, function)
         frame = LayerFrame(layer, function, args, self._capture_plan(layer), mb)
         if mb.packed is not False:  # one-row inputs only: position_ids are (1, T) for any batch
             mb.packed = frame.batch == 1 and self._packed_sequences(mb, frame, function)
@@ -576,9 +671,10 @@ class HiLoReRuntime:
         frame.set_segments(mb.segments, mb.mask_independence[key])
         return True
 
-    def _microbatch_for(self, layer_index: int) -> Microbatch:
+    def _microbatch_for(self, layer: LayerUnits, args: tuple, function) -> Microbatch:
         """A layer index not above the previous one starts a new forward: a new microbatch."""
-        if self._mb is None or layer_index <= self._mb.last_layer:
+        if self._mb is None or layer.index <= self._mb.last_layer:
+            self._begin_at_layer(layer, args, function)
             self._mb = Microbatch(self._n_microbatches, self)
             self._live_mbs.add(self._mb)
             self._n_microbatches += 1
@@ -635,6 +731,13 @@ class HiLoReRuntime:
         return action
 
 
+def _checkpointing_on(layers: list[LayerUnits]) -> bool:
+    """Whether the script turned gradient checkpointing on for these layers (NOTE [ The
+    script's checkpointing ]): a transformers layer's flag is set, or no layer has the flag."""
+    flagged = [layer.module for layer in layers if is_checkpointing_layer(layer.module)]
+    return not flagged or any(getattr(m, "gradient_checkpointing", False) for m in flagged)
+
+
 def _mask_key(mask) -> tuple | None:
     if not isinstance(mask, torch.Tensor):
         return None
@@ -689,10 +792,29 @@ def _sum_dicts(dicts) -> dict[str, int]:
 
 
 def _receive_coefficients(coefficients: torch.Tensor, logp: torch.Tensor, model: nn.Module | None) -> None:
-    """ω published by a ``ds_hilore.grpo`` loss goes to the runtime of the model it came from."""
+    """ω published by a ``ds_hilore.grpo`` loss goes to the runtime of the model it came from:
+    ``model``'s, else the only one attached, else the one whose live forward ``logp`` was
+    computed from (an actor and a critic both attached, no ``model=`` given)."""
     runtime = find_runtime(model)
+    if runtime is None and model is None:
+        runtime = _runtime_of(logp)
     if runtime is not None and runtime.enabled:
         runtime.set_coefficients(coefficients, logp=logp)
+
+
+def _runtime_of(logp: torch.Tensor) -> "HiLoReRuntime | None":
+    """The attached runtime with a live microbatch whose last layer output ``logp`` comes from."""
+    wanted = {mb.last_hidden_fn: rt for rt in list(_ATTACHED) if rt.attached
+              for mb in list(rt._live_mbs) if mb.last_hidden_fn is not None and mb.live_frames()}
+    seen, todo = set(), [logp.grad_fn] if logp.grad_fn is not None else []
+    while todo and len(seen) < _MAX_GRAPH_WALK:  # the LM head is a few nodes above
+        node = todo.pop()
+        if id(node) in wanted:
+            return wanted[id(node)]
+        if id(node) not in seen:
+            seen.add(id(node))
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+    return None
 
 
 handoff.subscribe(_receive_coefficients)

@@ -31,6 +31,8 @@ close match counts (as exact as gradient checkpointing there), and NaN never doe
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from typing import Callable
 
 import torch
@@ -38,7 +40,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ds_hilore._errors import HiLoReError
+from ds_hilore._errors import HiLoReError, HiLoReNameError
 from ds_hilore.runtime.bundle import (
     Replay,
     RngState,
@@ -181,7 +183,10 @@ def probe(root: nn.Module) -> str | None:
     except HiLoReError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a model-specific input need: discover later
-        return f"the probe forward of {type(model).__name__} failed ({type(exc).__name__}: {exc})"
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return (f"the probe forward of {type(model).__name__} failed: {type(exc).__name__}"
+                f"({str(exc) or 'no message'}) at {os.path.basename(where.filename)}:{where.lineno} "
+                f"`{where.line}` (the probe passes input_ids and attention_mask only)")
     finally:
         hf_logging.set_verbosity(verbosity)
         if hook is not None:
@@ -216,8 +221,8 @@ def discover(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device,
 
     Raises:
         HiLoReError: a re-run of the layer does not reproduce its saved tensors (state kept
-            across calls), or the ``attn_children`` / ``mlp_children`` override cannot be
-            made exact.
+            across calls); HiLoReNameError: the ``attn_children`` / ``mlp_children`` override
+            cannot be made exact.
     """
     rng = RngState(device)
     autocast, cache = autocast_state(device.type), torch.is_autocast_cache_enabled()
@@ -249,8 +254,8 @@ def _choose(layer: LayerUnits, trace: _Trace, check: "_Checker", full: str) -> S
         cut = _cut(trace, k)
         verified = check.verify(k, cut)
         if verified is None:
-            raise HiLoReError(
-                f"the 'attn_children' / 'mlp_children' override splits decoder layer "
+            raise HiLoReNameError(
+                f"the hilore.attn_children / mlp_children override splits decoder layer "
                 f"{layer.name!r} ({type(layer.module).__name__}) where a re-run of the mlp unit "
                 "does not reproduce its saved tensors. Remove both keys to let ds_hilore find the "
                 "units from the layer's execution.")
@@ -269,9 +274,9 @@ def _worst(a: str, b: str) -> str:
 def _override_split(layer: LayerUnits, calls: tuple[str, ...]) -> int:
     positions = [layer.names[c] for c in calls]
     if 1 not in positions or 0 not in positions or positions != sorted(positions):
-        raise HiLoReError(
+        raise HiLoReNameError(
             f"decoder layer {layer.name!r} ({type(layer.module).__name__}) calls its children in "
-            f"the order {list(calls)}: the 'attn_children' must all run before the "
+            f"the order {list(calls)}: the hilore.attn_children must all run before the "
             "'mlp_children' (a unit is a contiguous run of calls). Remove both keys to let "
             "ds_hilore find the units from the layer's execution.")
     return positions.index(1) - 1

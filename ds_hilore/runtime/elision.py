@@ -14,7 +14,8 @@ exact. One read of the device per microbatch, and under several ranks one all-re
 decision is collective, because a rank that re-runs a layer under ZeRO-3 gathers
 parameters the others must gather too. Gradient entering lower down -- a loss on an
 intermediate hidden state -- is checked at every layer when transformers records hidden
-states (a read per layer, in that case only); gradient entering through internal outputs
+states (a read per layer and, under several ranks, an all-reduce per layer, in that case
+only); gradient entering through internal outputs
 (router logits, attentions) turns elision off for those layers at the forward. Anything else
 (a user hook keeping an intermediate hidden state for its own loss) is caught by flags
 collected on the device at every layer and read once when the backward ends: an error, before
@@ -61,22 +62,23 @@ class Elision:
         all_zero = len(zero) == every and all(f.elision_ok for f in frames)
         policy = self.runtime.policy  # NOTE [ Exact zeros ]: copies only where memory is short
         keep = 0 < len(zero) < every and policy is not None and policy.keeps_whole(mb)
-        if source == "analytic" and collective is not None:  # every rank must agree
-            all_zero = collective.all_reduce_max([0 if all_zero else 1])[0] == 0
         mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
+        # NOTE [ Collective elision ]: one all-reduce decides, for every rank, whether all
+        # sequences are zero and which units saw a capture-time elision disproved
+        all_zero, to_r = _agree(self.runtime, frames, all_zero, lambda frame, every_zero: _verified(
+            frame, every_zero, zero, segments, source))
         for frame in frames:
             frame.skip_zero_recompute = all_zero and source == "analytic"
             # the same on every rank (plans are synced): whether the backward checks, and so
             # whether it takes part in the collective decision there
             frame.elision_checked = frame.elision_ok and (
                 frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
+            _to_r(frame, to_r)
             if frame.segments != segments:  # a call without the microbatch's segments
                 frame.elision_checked = frame.elision_checked and all_zero and frame.sequences == 1
-                unverified_rows_to_r(frame, {0} if frame.elision_checked else set())
                 frame.elided_rows = {0} if frame.elision_checked else set()
                 rows_zero = sorted(frame.elided_rows)
             else:
-                unverified_rows_to_r(frame, set(zero) if frame.elision_ok else set())
                 # checked as elided even when kept in place: rows elided at capture (``expect``)
                 # are among them, and the check must cover every row that may be
                 frame.elided_rows = set(zero) if frame.elision_checked else set()
@@ -116,15 +118,17 @@ class Elision:
                 self.runtime.policy.top_grad(mb, grad)
             return
         frame = frame_ref()
-        if frame is None or not frame.elided_rows or grad.dim() < 2:
+        if frame is None or grad.dim() < 2:
             return
         rows = sorted(frame.elided_rows)
-        leak = _at(grad.detach(), frame, rows).abs().amax() > 0  # () bool on the device
-        if frame.check_every_layer:  # transformers records hidden states: read it here
-            if self._decide(bool(leak), collective=False):
+        if frame.check_every_layer and frame.elision_checked:
+            # transformers records hidden states: read it here, one decision for all ranks
+            # (elision_checked is the same on every rank, the rows elided are this rank's)
+            leak = bool(rows) and bool(_at(grad.detach(), frame, rows).abs().amax() > 0)
+            if self._decide(leak, collective=True):
                 self._fall_back([frame])
-        else:
-            mb.late_leaks.append(leak)
+        elif rows:  # a leak here is an error at the end of the backward, on any rank
+            mb.late_leaks.append(_at(grad.detach(), frame, rows).abs().amax() > 0)
 
     def _check_at_top(self, mb, grad: torch.Tensor) -> None:
         frames = [f for f in mb.live_frames() if f.elision_checked]
@@ -132,8 +136,12 @@ class Elision:
             return
         rows = sorted(set().union(*(f.elided_rows for f in frames)))
         packed = next((f for f in frames if f.segments is not None), frames[0])
-        leaks = bool(rows) and bool(_at(grad.detach(), packed, rows).abs().amax() > 0)  # the one read
-        if self._decide(leaks, collective=True):
+        leak = _at(grad.detach(), packed, rows).abs().amax() > 0 if rows else None  # () bool
+        if mb.settled:
+            leaks = self._decide(leak is not None and bool(leak), collective=True)
+        else:  # read and agreed on with the deferred checks: NOTE [ One sync at the top of the
+            leaks = self._decide(mb.settle(leak), collective=False)  # backward ] in microbatch.py
+        if leaks:
             self._fall_back(frames)
         elif any(f.elided_rows for f in frames):
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._late_check(mb))
@@ -189,13 +197,75 @@ def _at(grad: torch.Tensor, frame, rows: list[int]) -> torch.Tensor:
     return grad[:, tokens]
 
 
-def unverified_rows_to_r(frame, zero: set[int]) -> None:
+def unverified_rows_to_r(runtime, frames, zero_of) -> None:
     """Sequences a plan elided at capture (predicted to have zero coefficients) that do not:
-    their units are recomputed instead (exact: the layer's inputs are kept)."""
-    for pos, rows in enumerate(frame.plan.rows):
-        if rows is None or frame.plan.actions[pos] == "R":
-            continue
-        if any(a == "E" and i not in zero for i, a in enumerate(rows)):
+    their units are recomputed instead (exact: the layer's inputs are kept). ``zero_of(frame)``
+    is the set of the frame's sequences shown to be zero. A collective under several ranks
+    (NOTE [ Collective elision ]): every rank calls it at the same point."""
+    flags = _unverified(runtime, frames, zero_of)
+    if runtime.collective is not None:
+        flags = runtime.collective.all_reduce_max(flags)
+    names = _flagged(runtime, flags)
+    for frame in frames:
+        _to_r(frame, names)
+
+
+# NOTE [ Collective elision ]
+# What a plan elides at capture comes from this rank's prediction and what ω turns out to be
+# from this rank's data, so the units whose elision is disproved differ between ranks. Under
+# ZeRO-3 a recompute gathers the layer's parameters, and a unit recomputed on one rank only
+# issues gathers the others never match (gloo: "collective mismatch"; NCCL: a hang, or shards
+# of same-shaped weights paired wrongly). So the sets are OR-ed over ranks -- a fixed-length
+# flag vector, one entry per unit of the model, all-reduced by max -- before any unit is sent
+# to R, and every rank recomputes the union. Recomputing a unit whose elision held on this
+# rank is exact (its inputs are always kept), only slower. The same all-reduce carries
+# whether every sequence of every rank is zero; both candidate flag sets ride along (the
+# frames called without the microbatch's segments elide depending on that answer), so one
+# all-reduce per microbatch decides everything.
+def _agree(runtime, frames, all_zero: bool, verified) -> tuple[bool, set[str]]:
+    """(every rank's sequences all zero, names of the units to recompute on every rank)."""
+    if_all = _unverified(runtime, frames, lambda f: verified(f, True))
+    if_not = _unverified(runtime, frames, lambda f: verified(f, False))
+    if runtime.collective is not None:
+        agreed = runtime.collective.all_reduce_max([0 if all_zero else 1, *if_all, *if_not])
+        all_zero, n = agreed[0] == 0, len(if_all)
+        if_all, if_not = agreed[1:1 + n], agreed[1 + n:]
+    return all_zero, _flagged(runtime, if_all if all_zero else if_not)
+
+
+def _verified(frame, every_zero: bool, zero: list[int], segments, source: str) -> set[int]:
+    """The sequences ``frame`` may elide: the zero ones of the microbatch; for a call without
+    the microbatch's segments, its one row when every sequence (of every rank) is zero."""
+    if frame.segments == segments:
+        return set(zero) if frame.elision_ok else set()
+    checked = frame.elision_ok and every_zero and frame.sequences == 1 and (
+        source == "analytic" or any(a != "R" for a in frame.plan.actions))
+    return {0} if checked else set()
+
+
+def _unverified(runtime, frames, zero_of) -> list[int]:
+    """One flag per unit of the model (unit order): a frame elided at capture a sequence
+    ``zero_of(frame)`` does not contain."""
+    index = {unit.name: k for k, unit in enumerate(runtime.units)}
+    flags = [0] * len(index)
+    for frame in frames:
+        zero = zero_of(frame)
+        for pos, rows in enumerate(frame.plan.rows):
+            if rows is None or frame.plan.actions[pos] == "R":
+                continue
+            if any(a == "E" and i not in zero for i, a in enumerate(rows)):
+                flags[index[frame.layer.units[pos].name]] = 1
+    return flags
+
+
+def _flagged(runtime, flags: list[int]) -> set[str]:
+    return {unit.name for unit, flag in zip(runtime.units, flags) if flag}
+
+
+def _to_r(frame, names: set[str]) -> None:
+    """Recompute the frame's units named in ``names``."""
+    for pos, unit in enumerate(frame.layer.units):
+        if unit.name in names and frame.plan.actions[pos] != "R":
             frame.downgrade(pos, "R")
 
 

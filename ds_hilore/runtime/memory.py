@@ -4,6 +4,8 @@
   CPU: glibc's ``mallinfo2()``, in-use = ``uordblks + hblkhd`` (heap chunks in use plus
   mmapped chunks), which is where torch's CPU allocator gets its memory.
 * ``PeakMeter`` -- the peak of ``in_use_bytes`` over a ``with`` block, forward and backward.
+* ``DevicePeak`` -- CUDA: the peak of allocated (and reserved) bytes over a window, read
+  without resetting the device's peak counters (NOTE [ Shared peak counters ]).
 * ``live_storage_bytes(tensors)`` -- exact bytes held by a set of tensors (shared storage once).
 * ``LiveStorages`` -- storages allocated by aten ops inside a ``with`` block; ``live_bytes()``
   counts those still alive, exactly (no allocator noise): what a method *retains*.
@@ -25,9 +27,9 @@ from typing import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ds_hilore._errors import HiLoReError
+from ds_hilore._errors import HiLoReError, bug
 
-__all__ = ["LiveStorages", "PeakMeter", "in_use_bytes", "live_storage_bytes"]
+__all__ = ["DevicePeak", "LiveStorages", "PeakMeter", "in_use_bytes", "live_storage_bytes"]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -186,6 +188,75 @@ class PeakMeter:
     def __repr__(self) -> str:
         return (f"PeakMeter({self.device}, start={self.start_bytes}, peak={self.peak_bytes}, "
                 f"peak_delta={self.peak_delta})")
+
+
+# NOTE [ Shared peak counters ]
+# CUDA keeps one peak counter per device (``max_memory_allocated`` / ``max_memory_reserved``)
+# for the whole process: the training script, DeepSpeed's memory reports and any trainer read
+# it, and ``reset_peak_memory_stats`` destroys every other reader's peak. A window is measured
+# as an offset instead: the counter's value at its start is the earlier peak, ``prior``. If the
+# counter ends above ``prior``, the window reached a new peak and the counter is exactly the
+# window's peak. If it does not, the window stayed at or under an earlier peak: its own peak is
+# then only known to lie between the highest in-use sample taken in the window and ``prior``;
+# ``exact`` says which case held and callers choose the bound their use is safe with. A counter
+# that ends below ``prior`` was reset by someone else inside the window: what it holds is a
+# peak reached inside the window, a lower bound as well.
+
+class DevicePeak:
+    """CUDA: the peak of allocated and reserved bytes from construction to ``close()``, without
+    resetting the device's peak counters (NOTE [ Shared peak counters ]).
+
+    Attributes (bytes): ``start`` allocated at the start; ``prior`` / ``prior_reserved`` the
+    counters at the start; after ``close()``: ``peak`` and ``reserved_peak`` (the window's,
+    exact or a lower bound), ``exact`` and ``reserved_exact``, ``upper`` (``peak`` when exact,
+    else ``prior``: what the window's peak is known not to exceed).
+    """
+
+    def __init__(self, device):
+        self.device = _device(device)
+        if self.device.type != "cuda":
+            raise bug(f"DevicePeak measures CUDA devices, not {self.device}")
+        cuda = torch.cuda
+        self.start = cuda.memory_allocated(self.device)
+        self.prior = cuda.max_memory_allocated(self.device)
+        self.prior_reserved = cuda.max_memory_reserved(self.device)
+        self.floor = self.start  # highest allocated bytes sampled in the window
+        self.reserved_floor = cuda.memory_reserved(self.device)
+        self.peak = self.reserved_peak = self.upper = None
+        self.exact = self.reserved_exact = None
+        _check_counters(self.start, self.prior, self.reserved_floor, self.prior_reserved)
+
+    def sample(self) -> int:
+        """Read allocated and reserved bytes now into the window's lower bounds; returns allocated."""
+        now = torch.cuda.memory_allocated(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        self.floor = max(self.floor, now)
+        self.reserved_floor = max(self.reserved_floor, reserved)
+        return now
+
+    def close(self) -> int:
+        """End the window; returns ``peak`` (see the class)."""
+        now = self.sample()
+        top = torch.cuda.max_memory_allocated(self.device)
+        top_reserved = torch.cuda.max_memory_reserved(self.device)
+        _check_counters(now, top, torch.cuda.memory_reserved(self.device), top_reserved)
+        self.exact = top > self.prior
+        # not exact: the counter either still holds the earlier peak (no news) or was reset
+        # inside the window by someone else (a peak reached in the window)
+        self.peak = top if self.exact else max(self.floor, top) if top < self.prior else self.floor
+        self.upper = top if self.exact else max(self.prior, top)
+        self.reserved_exact = top_reserved > self.prior_reserved
+        self.reserved_peak = top_reserved if self.reserved_exact else max(self.reserved_floor, top_reserved) \
+            if top_reserved < self.prior_reserved else self.reserved_floor
+        return self.peak
+
+
+def _check_counters(allocated: int, peak: int, reserved: int, reserved_peak: int) -> None:
+    # CUDA's caching allocator guarantees allocated <= its peak and allocated <= reserved;
+    # a reading against that means the counters are not what this module takes them to be
+    if not (0 <= allocated <= peak and allocated <= reserved <= reserved_peak):
+        raise bug(f"CUDA memory counters disagree: allocated {allocated}, peak {peak}, "
+                  f"reserved {reserved}, reserved peak {reserved_peak}")
 
 
 class _RecordAllocations(TorchDispatchMode):

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ds_hilore._errors import bug
+
 if TYPE_CHECKING:
     from ds_hilore.runtime.bundle import LayerFrame
 
@@ -58,10 +60,12 @@ class Counters:
         self.packed_stats: list[torch.Tensor] = []  # Packed.stats of each packed run (device)
         # NOTE [ One read per microbatch ]: conditions that the forward cannot check without
         # reading the device (a packed run was finite, a weight cast is what it looks like)
-        # are kept here as device booleans with (frame ref, unit position, what) and read
-        # together at the first unpack of the backward; a unit whose check fails is
-        # recomputed instead (its layer's inputs are always kept), so nothing is ever wrong.
-        self.checks: list[tuple[torch.Tensor, object, int, str]] = []
+        # are kept here as device booleans with (frame ref, unit position, what, slot ref of
+        # a weight cast) and read together at the first unpack of the backward; a unit whose
+        # check fails -- on any rank (NOTE [ Collective fallback ] in microbatch.py) -- is
+        # recomputed instead (its layer's inputs are always kept), and a disproved weight
+        # reference becomes an empty slot the recompute refills, so nothing is ever wrong.
+        self.checks: list[tuple[torch.Tensor, object, int, str, object]] = []
         self.events: list = []  # (counter, start, end) CUDA events, resolved when read
 
     @contextlib.contextmanager
@@ -104,6 +108,14 @@ class Slot:
 
     def empty(self) -> bool:
         return self.kind == ACT and self.ref is None and self.stored is None
+
+    def disown_weight(self) -> None:
+        """The weight this slot referenced proved not to be what was saved (a disproved
+        autocast cast, weights.py): it becomes an empty activation slot, which the unit's
+        recompute refills with the tensor the forward really saved."""
+        if self.kind != WEIGHT:
+            raise bug("only a weight reference can be disowned")
+        self.kind, self.weight = ACT, None
 
     def take(self) -> torch.Tensor | None:
         """The saved value, dropped from the slot (it is unpacked once per backward)."""
@@ -243,7 +255,7 @@ class Stored:
         parts[start:stop] = [run] * (stop - start)
         self.counters.packed_stats.append(packed.stats)
         if self.owner is not None:
-            self.counters.checks.append((packed.stats, *self.owner, "nonfinite"))
+            self.counters.checks.append((packed.stats, *self.owner, "nonfinite", None))
 
     def view(self, spec) -> torch.Tensor:
         if self.parts is None:

@@ -15,23 +15,45 @@ Positions in a layer call are *segments*: 0 before the first child call, ``2c + 
 call ``c``, ``2c + 2`` in the layer-body code after call ``c``. A split is the last segment
 of the first unit (``2k + 1`` for a split after call ``k``): body code after the first unit's
 last call belongs to the second unit, because a re-run executes it in any case.
+
+NOTE [ Compiled layers ]
+transformers checkpoints a layer's ``forward``, not its ``__call__``, so under torch.compile --
+``layer.compile()``, ``torch.compile(layer)`` or a compiled whole model, any backend -- HiLoRe's
+layer call is reached while dynamo traces. Capture rests on Python hooks around every saved
+tensor and child call; traced, the saved tensors are those of the compiled graph, attributed to
+the wrong units, and a recompute no longer matches its forward. So the runtime's entry points
+are kept out of the graph (``outside_compile``): dynamo breaks the graph there and the layer's
+forward runs eagerly under HiLoRe, every action exact as without compilation, the rest of the
+model compiled; the runtime says so once. Chosen over running compiled layers as plain gradient
+checkpointing inside the graph: that would keep the layers compiled, but HiLoRe would then do
+nothing for them while its plan, memory budget and stats went on describing units it cannot
+see. A user who prefers compiled layers to HiLoRe detaches it and uses torch's checkpointing.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
+import logging
+import weakref
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
-from ds_hilore._errors import HiLoReError
+from ds_hilore._errors import HiLoReNameError
+
+logger = logging.getLogger("ds_hilore")
 
 TWO_UNITS = ("attn", "mlp")  # execution order inside a split decoder layer
 ONE_UNIT = ("block",)
 
 # peft wraps the model as PeftModel -> LoraModel -> the transformers model; unit names are
 # given relative to the transformers model so force_plan patterns work with and without LoRA.
-_WRAPPER_PREFIXES = ("base_model.model.", "module.")
+# torch.compile's OptimizedModule holds the compiled module as ``_orig_mod``.
+_WRAPPER_PREFIXES = ("base_model.model.", "module.", "_orig_mod.")
+_COMPILED_INFIX = "._orig_mod"
+_TOLD_COMPILED: "weakref.WeakSet" = weakref.WeakSet()  # runtimes that said it (NOTE [ Compiled layers ])
 
 
 class Unit:
@@ -123,7 +145,10 @@ class LayerUnits:
 
 
 def public_name(name: str) -> str:
-    """Module name without peft / engine wrapper prefixes."""
+    """Module name without peft / engine / torch.compile wrapper prefixes."""
+    name = name.replace(_COMPILED_INFIX + ".", ".")
+    if name.endswith(_COMPILED_INFIX):
+        name = name[:-len(_COMPILED_INFIX)]
     changed = True
     while changed:
         changed = False
@@ -131,6 +156,29 @@ def public_name(name: str) -> str:
             if name.startswith(prefix):
                 name, changed = name[len(prefix):], True
     return name
+
+
+def outside_compile(method):
+    """Decorates a runtime method that torch.compile may reach while tracing: traced, it is
+    called eagerly, out of the graph, and the runtime says so once (NOTE [ Compiled layers ])."""
+
+    @torch._dynamo.disable(recursive=True)
+    def eagerly(runtime, *args):
+        if runtime not in _TOLD_COMPILED:
+            _TOLD_COMPILED.add(runtime)
+            logger.warning(
+                "ds_hilore: the model's decoder layers run under torch.compile; HiLoRe runs each "
+                "decoder layer's forward eagerly (out of the compiled graph: its per-unit capture "
+                "needs Python hooks) and the rest of the model compiled. To keep the layers "
+                "compiled instead, detach HiLoRe (runtime.detach()) and use gradient checkpointing.")
+        return method(runtime, *args)
+
+    @functools.wraps(method)
+    def call(runtime, *args):
+        if torch.compiler.is_compiling():
+            return eagerly(runtime, *args)
+        return method(runtime, *args)
+    return call
 
 
 def is_checkpointing_layer(module: nn.Module) -> bool:
@@ -145,8 +193,8 @@ def is_checkpointing_layer(module: nn.Module) -> bool:
 def _layer_candidates(model: nn.Module, layer_pattern: str | None) -> list[tuple[str, nn.Module]]:
     found = []
     for name, module in model.named_modules():
-        if module is model:
-            continue
+        if module is model or isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            continue  # torch.compile's wrapper: the module it wraps is the candidate
         public = public_name(name)
         if layer_pattern is not None:
             if fnmatch.fnmatchcase(public, layer_pattern):
@@ -162,15 +210,15 @@ def find_layers(model: nn.Module, config) -> list[LayerUnits]:
     """The decoder layers of ``model``; units come from discovery or the name override.
 
     Raises:
-        HiLoReError: no decoder layer was found, or (with the name override) a layer has a
+        HiLoReNameError: no decoder layer was found, or (with the name override) a layer has a
             child module that belongs to no unit; the message says which config keys to set.
     """
     candidates = _layer_candidates(model, config.layer_pattern)
     if not candidates:
-        how = (f"no module name matches layer_pattern {config.layer_pattern!r}"
+        how = (f"no module name matches hilore.layer_pattern {config.layer_pattern!r}"
                if config.layer_pattern else
                "no module subclasses transformers' GradientCheckpointingLayer")
-        raise HiLoReError(
+        raise HiLoReNameError(
             f"ds_hilore found no decoder layers in {type(model).__name__}: {how}. Set "
             "'layer_pattern' in the \"hilore\" config block to a glob matching the decoder layers' "
             "module names (e.g. \"model.layers.*\"); units are then found from each layer's "
@@ -194,18 +242,19 @@ def _units_from_names(layer: LayerUnits, config) -> None:
         else:
             names[child_name] = pos
     if unmapped:
-        raise HiLoReError(
+        raise HiLoReNameError(
             f"decoder layer {layer.name!r} ({type(layer.module).__name__}) has child modules that "
             f"belong to no recovery unit: {unmapped}. Add each to 'attn_children' or "
-            f"'mlp_children' in the \"hilore\" config block (now attn_children={kinds['attn']}, "
+            f"'mlp_children' in the \"hilore\" config block (now hilore.attn_children={kinds['attn']}, "
             f"mlp_children={kinds['mlp']}), or remove both keys to find units from execution.")
     for pos, kind in enumerate(TWO_UNITS):
         children = tuple(c for c, p in names.items() if p == pos)
         if not children:
-            raise HiLoReError(
+            raise HiLoReNameError(
                 f"decoder layer {layer.name!r} ({type(layer.module).__name__}) has no {kind} "
                 f"sub-block: none of its children {list(names)} is listed in '{kind}_children' of "
-                "the \"hilore\" config block.")
+                f"the \"hilore\" config block (now hilore.attn_children={kinds['attn']}, "
+                f"mlp_children={kinds['mlp']}). Move a child to hilore.{kind}_children.")
     layer.names = names
     layer.units = [Unit(f"{layer.name}.{kind}", kind, layer.index, pos,
                         tuple(c for c, p in names.items() if p == pos))

@@ -75,7 +75,8 @@ class WeightRecognizer:
 
         The leaf module running now names the one candidate: its reference carries a proof
         computed on the device (a full comparison), read with the microbatch's other checks
-        (NOTE [ One read per microbatch ] in storage.py); a failed proof sends the unit to R.
+        (NOTE [ One read per microbatch ] in storage.py); a failed proof sends the unit to R
+        and empties the slot, which the recompute refills (``Slot.disown_weight``).
         Without a single candidate, every same-shape one is compared in full at once. A proven
         cast is then recognised by its storage while it lives; nothing is remembered of a
         failed comparison.

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--loss_type", default="grpo", choices=list(LOSS_TYPES))
     grpo.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds a frozen reference engine")
     grpo.add_argument("--epsilon", type=float, default=0.2, help="clip range of the ratio")
+    grpo.add_argument("--epsilon_high", type=float, default=None,
+                      help="upper clip (default: --epsilon); cispo's cap of the ratio, required there")
     grpo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
     grpo.add_argument("--drop_zero_rows", action="store_true",
                       help="drop sequences with advantage 0 before the forward (beta must be 0)")
@@ -112,6 +114,9 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(f"--data_path {args.data_path}: no such file; pass a JSONL file of "
                          '{"prompt": ..., "answer": ...} rows, or leave it out for the built-in task.')
     _at_least(args, 2, "group_size", "GRPO compares the completions of one prompt with each other")
+    if LOSS_TYPES[args.loss_type].surrogate.needs_epsilon_high and args.epsilon_high is None:
+        raise UsageError(f"--loss_type {args.loss_type} caps the ratio at --epsilon_high (the absolute "
+                         "cap; TRL and ScaleRL recommend 5.0): pass it.")
     for key in ("num_train_steps", "per_device_generation_batch_size", "per_device_training_batch_size",
                 "gradient_accumulation_steps", "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len",
                 "num_eval_prompts", "eval_interval"):

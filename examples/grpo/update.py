@@ -1,6 +1,11 @@
 """The actor update: ``ppo_epochs`` passes over a step's rollouts in minibatches, each one
 optimizer step of ``gradient_accumulation_steps`` micro-batches, with ``ds_hilore.grpo``'s
 policy loss (which hands its exact per-token coefficients to HiLoRe before the backward).
+Before each actor forward HiLoRe also gets the micro-batch's predicted exposure,
+|A_i| x response tokens per sequence (``engine.hilore.expect``): exact zeros when beta = 0.
+From the second PPO epoch on, the previous epoch's ratios of the same tokens predict which
+are clipped (NOTE [ Exposure at later PPO epochs ] in ds_hilore/grpo/exposure.py): those
+count 0, a prediction that orders and packs but elides nothing it is not exact about.
 
 Also measured here, because only the update is what HiLoRe changes: its wall time and
 tokens (actor-update throughput), optionally its peak memory (``PeakMeter``; its sampling
@@ -18,7 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ds_hilore.grpo import drop_zero_rows, global_num_items, policy_loss
+from ds_hilore.grpo import drop_zero_rows, exposure, global_num_items, policy_loss
+from ds_hilore.grpo.losses import LOSS_TYPES
 from ds_hilore.runtime.memory import PeakMeter
 
 from .rollout import Rollout, sequence_logprobs, set_checkpointing
@@ -49,15 +55,19 @@ def actor_update(engine, rollout: Rollout, args, meter_memory: bool = False) -> 
     losses, kls, clips, tokens = [], [], [], 0
     totals = _HiLoReTotals() if engine.hilore is not None else None
     start, cpu_start = time.perf_counter(), time.process_time()
+    ratios: dict[tuple[int, int], torch.Tensor] = {}  # (minibatch, micro) -> last epoch's ratios
     with meter:
         for _ in range(args.ppo_epochs):
-            for minibatch in _minibatches(rollout, args):
+            for m, minibatch in enumerate(_minibatches(rollout, args)):
                 num_items = None
-                if args.loss_type in ("dapo", "cispo"):  # the global token mean, see ds_hilore.grpo
+                if _global_token_mean(args):  # the global token mean, see ds_hilore.grpo
                     num_items = global_num_items([mb.completion_mask for mb in minibatch],
                                                  args.gradient_accumulation_steps)
-                for micro in minibatch:
-                    out = _micro_step(engine, micro, args, num_items)
+                previous = [ratios.get((m, j)) for j in range(len(minibatch))]
+                step_exposure = _step_exposure(engine, minibatch, args, previous)
+                for j, micro in enumerate(minibatch):
+                    out, ratios[m, j] = _micro_step(engine, micro, args, num_items, step_exposure,
+                                                    previous[j])
                     losses.append(out.loss.item())
                     kls.append(out.metrics["mean_kl"])
                     clips.append(out.metrics["clip_fraction_low"] + out.metrics["clip_fraction_high"])
@@ -82,24 +92,74 @@ def _minibatches(rollout: Rollout, args):
     return [micros[i:i + gas] for i in range(0, len(micros), gas)]
 
 
-def micro_loss(engine, micro: Rollout, args, num_items=None, model=None):
-    """The policy loss of one micro-batch (``model``: a module to call instead of ``engine``)."""
-    loss_kwargs = {}
-    if args.drop_zero_rows:
-        selection = drop_zero_rows(micro.advantages, micro.completion_mask, beta=args.beta)
-        micro, loss_kwargs = micro.rows(selection.index), selection.loss_kwargs
+def _global_token_mean(args) -> bool:
+    """Whether the loss type divides by the step's token count (dapo, cispo, vespo: the loss
+    table says which need ``num_items_in_batch``)."""
+    return "num_items_in_batch" in LOSS_TYPES[args.loss_type].needs
+
+
+def micro_loss(engine, micro: Rollout, args, num_items=None, model=None, step_exposure=None,
+               previous_ratios=None):
+    """The policy loss of one micro-batch (``model``: a module to call instead of ``engine``).
+    ``step_exposure``: the optimizer step's predicted exposure (``_step_exposure``); given, the
+    micro-batch's own is handed to HiLoRe before the forward (``previous_ratios``: this
+    micro-batch's ratios at the previous epoch, None at the first)."""
+    return _micro_loss(engine, micro, args, num_items, model, step_exposure, previous_ratios)[0]
+
+
+def _micro_loss(engine, micro: Rollout, args, num_items, model, step_exposure, previous_ratios):
+    """``micro_loss`` and this forward's detached ratios π_θ / π_old (B, C) of the rows kept."""
+    micro, loss_kwargs = _selected(micro, args)
+    if step_exposure is not None:  # before the actor forward: what the plan splits and elides by
+        engine.hilore.expect(_predicted(micro, args, previous_ratios), step_exposure)
     logp = sequence_logprobs(model or engine, micro.input_ids, micro.attention_mask, micro.prompt_len)
-    return policy_loss(logp, micro.old_logp, micro.advantages, micro.completion_mask,
-                       loss_type=args.loss_type, ref_logp=micro.ref_logp, beta=args.beta,
-                       epsilon_low=args.epsilon, max_completion_length=args.max_answer_seq_len,
-                       num_items_in_batch=num_items, model=engine.module, **loss_kwargs)
+    out = policy_loss(logp, micro.old_logp, micro.advantages, micro.completion_mask,
+                      loss_type=args.loss_type, ref_logp=micro.ref_logp, beta=args.beta,
+                      epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
+                      max_completion_length=args.max_answer_seq_len,
+                      num_items_in_batch=num_items, model=engine.module, **loss_kwargs)
+    return out, torch.exp(logp.detach().float() - micro.old_logp.float())
 
 
-def _micro_step(engine, micro: Rollout, args, num_items):
-    out = micro_loss(engine, micro, args, num_items)
+def _selected(micro: Rollout, args) -> tuple[Rollout, dict]:
+    """The rows the loss sees (``--drop_zero_rows``) and the loss's arguments for them."""
+    if not args.drop_zero_rows:
+        return micro, {}
+    selection = drop_zero_rows(micro.advantages, micro.completion_mask, beta=args.beta)
+    return micro.rows(selection.index), selection.loss_kwargs
+
+
+def _predicted(micro: Rollout, args, previous_ratios) -> list[float]:
+    """Per-sequence predicted exposure: |A_i| x response tokens, less the tokens the previous
+    epoch clipped (clipped surrogates only: cispo caps, sapo and vespo gate softly)."""
+    if previous_ratios is None or LOSS_TYPES[args.loss_type].surrogate.name != "clipped":
+        return exposure.predicted(micro.advantages, micro.completion_mask)
+    return exposure.predicted_after_clip(micro.advantages, micro.completion_mask, previous_ratios,
+                                         args.epsilon, args.epsilon_high)
+
+
+def _step_exposure(engine, minibatch: list[Rollout], args, previous=None) -> float | None:
+    """The predicted exposure of an optimizer step, summed over its micro-batches and ranks;
+    None when nothing is predicted. A zero advantage means a zero coefficient only without a
+    KL term: with beta > 0 nothing is predicted (the plan then splits by row and decides from
+    the coefficients after the forward). ``previous``: each micro-batch's last-epoch ratios."""
+    if engine.hilore is None or args.beta != 0:
+        return None
+    previous = previous or [None] * len(minibatch)
+    total = torch.tensor([sum(sum(_predicted(_selected(m, args)[0], args, r))
+                              for m, r in zip(minibatch, previous))],
+                         dtype=torch.float64, device=engine.device)  # (1,)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return float(total[0])
+
+
+def _micro_step(engine, micro: Rollout, args, num_items, step_exposure=None, previous_ratios=None):
+    """One micro-step; returns the loss and this forward's ratios (the next epoch's prediction)."""
+    out, ratios = _micro_loss(engine, micro, args, num_items, None, step_exposure, previous_ratios)
     engine.backward(out.loss)  # ω went to HiLoRe inside policy_loss
     engine.step()  # an optimizer step at the end of each minibatch
-    return out
+    return out, ratios
 
 
 class _HiLoReTotals:
@@ -137,7 +197,7 @@ def gradient_error(engine, rollout: Rollout, args) -> float:
     module = engine.module
     params = [p for p in module.parameters() if p.requires_grad]
     micro = rollout.rows(torch.arange(min(args.per_device_training_batch_size, len(rollout))))
-    num_items = float(micro.completion_mask.sum()) if args.loss_type in ("dapo", "cispo") else None
+    num_items = float(micro.completion_mask.sum()) if _global_token_mean(args) else None
     with_plan = torch.autograd.grad(micro_loss(engine, micro, args, num_items, module).loss, params,
                                     allow_unused=True)
     set_checkpointing(module, False)

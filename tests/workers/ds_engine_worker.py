@@ -7,7 +7,9 @@ Run by tests.launch.run_distributed (deepspeed runner or mpirun). Each ``--case`
 * model: ``full`` (every parameter trains) or ``lora`` (peft LoRA on every linear layer)
 * mode: ``gc`` = the file without its "hilore" block and transformers' gradient
   checkpointing on (the baseline); ``H`` / ``L`` / ``R`` = HiLoRe with that force_plan;
-  ``mixed`` = layer 0 H, the rest R; ``auto`` = HiLoRe as the file configures it.
+  ``mixed`` = layer 0 H, the rest R; ``auto`` = HiLoRe as the file configures it; ``split``
+  = as ``auto`` with the tiny model's slices packable, and every unit of the bucket's plan a
+  per-sequence split (S) once it is built from the profile.
 * loss: ``lm`` (causal LM loss, default) or ``grpo_rank0_only`` (GRPO loss through
   ds_hilore.grpo; every advantage on rank 1 is 0, so its ω is zero everywhere).
 
@@ -23,6 +25,7 @@ seeded per (step, micro-step, rank), so a resumed run sees what an uninterrupted
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -44,7 +47,9 @@ SEED = 1234
 VOCAB, SEQ = 128, 16
 # mode -> hilore.force_plan ("gc": no hilore block; "auto": the file's own block)
 FORCE_PLANS = {"H": "H", "L": "L", "R": "R", "mixed": {"*": "R", "model.layers.0.*": "H"}}
-MODES = ("gc", "auto", *FORCE_PLANS)
+MODES = ("gc", "auto", "split", *FORCE_PLANS)
+SPLIT_BLOCK = {"min_pack_numel": 64, "codec_backend": "eager"}  # (B, T, 32) rows: 512 elements
+RECOMPUTED: list = []  # the units each layer recompute of the current micro-step re-ran
 LOSSES = ("lm", "grpo_rank0_only", "grpo_entropy_rank1_zero")
 
 
@@ -77,6 +82,8 @@ def ds_config(case: Case) -> dict:
     config = json.loads((CONFIG_DIR / f"{case.config}.json").read_text())
     if case.mode == "gc":
         config.pop("hilore", None)
+    elif case.mode == "split":
+        config["hilore"].update(SPLIT_BLOCK)
     elif case.mode != "auto":
         config["hilore"]["force_plan"] = FORCE_PLANS[case.mode]
     return config
@@ -110,7 +117,39 @@ def make_engine(case: Case, port: int):
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = ds_hilore.integrations.engine.initialize(model=model, model_parameters=params,
                                              config=ds_config(case), distributed_port=port)
+    if case.mode == "split":
+        plan_splits(engine.hilore.policy, lambda name: "S")
     return engine
+
+
+def plan_splits(scheduler, action_of) -> None:
+    """The bucket's plan, once built from the profile, becomes ``action_of(unit name)`` for
+    every unit (the same on every rank; the knapsack's prices are kept)."""
+    plan_bucket = scheduler._plan_bucket
+
+    def planned(bucket, profiled=True):
+        plan_bucket(bucket, profiled)
+        bucket.plan = dataclasses.replace(bucket.plan, actions={
+            name: action_of(name) for name in bucket.plan.actions})
+
+    scheduler._plan_bucket = planned
+
+
+def record_recomputes(log: list) -> None:
+    """Every layer recompute appends to ``log`` the names of the units it re-runs: what a rank
+    gathers under ZeRO-3, in the order it gathers it."""
+    from ds_hilore.runtime.bundle import LayerFrame
+
+    recompute = LayerFrame._recompute
+
+    def recorded(frame, trigger):
+        need = {trigger} | {p for p, unit in enumerate(frame.units)
+                            if any((s := r()) is not None and s.empty() and not s.consumed
+                                   for r in unit.slots)}
+        log.append(sorted(frame.layer.units[p].name for p in need))
+        return recompute(frame, trigger)
+
+    LayerFrame._recompute = recorded
 
 
 # ---- one micro-step ---------------------------------------------------------------------
@@ -200,10 +239,12 @@ def train(engine, loss: str, first_step: int, last_step: int, rank: int, record:
     for step in range(first_step, last_step + 1):
         for micro in range(engine.gradient_accumulation_steps()):
             torch.manual_seed(SEED + 1000 * step + 10 * micro + rank)  # dropout masks
+            del RECOMPUTED[:]
             value = loss_fn(engine, micro_batch(step, micro, rank), rank)
             engine.backward(value)
             engine.step()
             record["losses"].append(value.item().hex())
+            record.setdefault("recomputed", []).append(list(RECOMPUTED))
         record["steps"].append({"global_steps": engine.global_steps, "hilore": hilore_record(engine)})
 
 
@@ -270,6 +311,7 @@ def main() -> None:
     parser.add_argument("--master_port", type=int, required=True)
     parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed runner passes it
     args = parser.parse_args()
+    record_recomputes(RECOMPUTED)
     started = time.perf_counter()
     results, references = {}, {}
     for case in args.case:

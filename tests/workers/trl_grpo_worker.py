@@ -1,9 +1,11 @@
 """Worker for tests/test_trl.py: TRL's GRPOTrainer, unchanged, on CPU ranks under DeepSpeed.
 
 The script is what a TRL user runs: a model directory, a dataset of prompts, a reward
-function, ``GRPOConfig(deepspeed=ds_config.json, gradient_checkpointing=True, beta > 0)``
-and ``trainer.train()``. Nothing in it names ds_hilore: HiLoRe comes in, or not, through the
-environment (DS_HILORE / DS_HILORE_CONFIG) and the ds_config. A GRPOTrainer subclass only
+function, ``GRPOConfig(deepspeed=ds_config.json, gradient_checkpointing=True, beta)``
+and ``trainer.train()`` (``--beta``: 0.04 by default, so a reference model exists; 0 leaves
+every loss term a multiple of the advantage, so HiLoRe gets the exposure before the forward).
+Nothing in it names ds_hilore: HiLoRe comes in, or not, through the environment
+(DS_HILORE / DS_HILORE_CONFIG) and the ds_config. A GRPOTrainer subclass only
 records each micro-step's loss (``compute_loss`` unchanged).
 
 Each rank reports TRL's log history (loss, grad_norm, reward, kl per step), the micro-step
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--model_dir", required=True)
     parser.add_argument("--deepspeed", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--beta", type=float, default=0.04)  # 0: no KL term, no reference model
     parser.add_argument("--result_dir", required=True)
     parser.add_argument("--master_port", type=int)
     args = parser.parse_args()
@@ -81,14 +84,30 @@ def main() -> None:
     training_args = GRPOConfig(
         output_dir=str(Path(args.result_dir) / "out"), deepspeed=args.deepspeed, max_steps=args.steps,
         per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=4,
-        max_completion_length=6, learning_rate=1e-2, beta=0.04, gradient_checkpointing=True,
+        max_completion_length=6, learning_rate=1e-2, beta=args.beta, gradient_checkpointing=True,
         logging_steps=1, save_strategy="no", report_to="none", seed=7, use_cpu=True,
         bf16=False, dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"})
     trainer = RecordingGRPOTrainer(model=args.model_dir, reward_funcs=reward_even_words, args=training_args,
                                    train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                                   processing_class=PreTrainedTokenizerFast.from_pretrained(args.model_dir))
+                                   processing_class=PreTrainedTokenizerFast.from_pretrained(args.model_dir),
+                                   callbacks=[_PredictedPerStep()])
     trainer.train()
     report(trainer, args.result_dir)
+
+
+def _PredictedPerStep():
+    """A callback recording, after every optimizer step, how many of its microbatches HiLoRe
+    planned from an exposure predicted before the forward (``stats["predicted_microbatches"]``)."""
+    from transformers import TrainerCallback
+
+    class PredictedPerStep(TrainerCallback):
+        counts: list[int] = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            runtime = sys.modules["ds_hilore"].find_runtime(model) if "ds_hilore" in sys.modules else None
+            self.counts.append(None if runtime is None else runtime.stats.get("predicted_microbatches"))
+
+    return PredictedPerStep()
 
 
 def report(trainer, result_dir: str) -> None:
@@ -110,11 +129,14 @@ def report(trainer, result_dir: str) -> None:
         "ref_hilore": _has_hilore(ref),
         "initialize_replaced": type(deepspeed.initialize).__name__ == "TrainingInitialize",
         "ds_hilore_imported": "ds_hilore" in sys.modules,
+        "loss_step_wrapped": getattr(type(trainer)._compute_loss, "_ds_hilore_exposure", False),
         "hilore_stats": None if hilore is None else _plain(hilore.stats),
         "hilore_force_plan": None if hilore is None else hilore.config.force_plan,
         "log_history": [{k: v for k, v in entry.items() if isinstance(v, (int, float))}
                         for entry in trainer.state.log_history],
         "micro_losses": trainer.micro_losses,
+        "predicted_per_step": next((c.counts for c in trainer.callback_handler.callbacks
+                                    if type(c).__name__ == "PredictedPerStep"), None),
         "param_sha": digest.hexdigest(),
     })
 

@@ -1,0 +1,170 @@
+"""A device's check before a benchmark: exactness of H and R, and the peak against the budget.
+
+    python -m ds_hilore.bench.device_check --device cuda --dtype bf16 --budget 1.10
+
+1. Exactness: the gradient of one GRPO step (``ds_hilore.bench.data``) with HiLoRe forced to H
+   everywhere and to R everywhere, against HF gradient checkpointing (``gc``) at the same
+   weights, bitwise. A device whose kernels are not deterministic (GC against a second GC run
+   not bitwise) is reported as such, and H and R must then be no further from GC than GC is
+   from itself.
+2. Memory: HiLoRe at ``--budget`` after its warm-up, one metered step; its peak against the
+   budget times GC's. On CUDA both ``max_memory_allocated`` and ``max_memory_reserved`` (the
+   caching allocator's view: what the device really had to give), each against GC's own.
+
+Prints one line per check and a JSON document (``--json``); the exit status is 1 when any
+check fails, so a shell script run with ``set -e`` stops loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from ds_hilore.bench.frontier import make_steps
+from ds_hilore.bench.runs import build_model, close, lm_of, new_run, step, sync, warm
+
+__all__ = ["check", "main"]
+
+MAX_WARMUP = 40
+
+
+def _config(args) -> dict[str, Any]:
+    return {"model": "tiny", "layers": args.layers, "full": False, "dtype": args.dtype,
+            "device": args.device, "lora_r": 16, "codec_backend": args.codec_backend,
+            "seed": 0, "batches": 1, "ds_init": False, "budgets": [args.budget],
+            "seq_len": args.seq_len, "micro_batch": 8, "group_size": 4, "grad_accum": 2,
+            "zero_adv_share": 0.5, "clip_share": 0.1, "drop_zero_advantage": False}
+
+
+def _grads(run, micro_batches) -> dict[str, torch.Tensor]:
+    step(run, micro_batches, optimize=False)
+    return {n: p.grad.detach().clone() for n, p in run.model.named_parameters()
+            if p.requires_grad and p.grad is not None}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    if set(a) != set(b):
+        return float("inf")
+    return max(float((a[n].float() - b[n].float()).abs().max()) for n in a)
+
+
+def _exactness(base, config, steps) -> dict[str, Any]:
+    grads = {}
+    for method in ("gc", "hilore_all_h", "hilore_all_r"):
+        run = new_run(method, None, base, config)
+        if run.skipped:
+            raise RuntimeError(f"{method} cannot run: {run.skipped}")
+        grads[method] = _grads(run, steps[0])
+        again = _grads(run, steps[0]) if method == "gc" else None
+        close(run)
+        if again is not None:
+            grads["gc_again"] = again
+    noise = _max_diff(grads["gc"], grads["gc_again"])
+    out = {"gc_vs_gc_max_abs": noise, "deterministic": noise == 0.0}
+    for method in ("hilore_all_h", "hilore_all_r"):
+        diff = _max_diff(grads[method], grads["gc"])
+        out[method] = {"max_abs_vs_gc": diff, "ok": diff <= noise}
+    return out
+
+
+def _peaks(run, micro_batches, device: str) -> dict[str, int]:
+    from ds_hilore.runtime.memory import PeakMeter
+
+    run.model.zero_grad(set_to_none=True)
+    sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with PeakMeter(device) as meter:
+        step(run, micro_batches)
+        sync(device)
+    out = {"allocated": int(meter.peak_bytes)}
+    if device == "cuda":
+        out["reserved"] = int(torch.cuda.max_memory_reserved())
+    return out
+
+
+def _memory(base, config, steps, budget: float) -> dict[str, Any]:
+    device = config["device"]
+    gc = new_run("gc", None, base, config)
+    step(gc, steps[0])
+    gc_peaks = _peaks(gc, steps[0], device)
+    close(gc)
+    run = new_run("hilore", budget, base, config)
+    if run.skipped:
+        raise RuntimeError(f"hilore cannot run: {run.skipped}")
+    for _ in range(MAX_WARMUP):
+        step(run, steps[0])
+        if warm(run):
+            break
+    mine = _peaks(run, steps[0], device)
+    mix = dict(run.context.runtime.stats.get("actions", {}))
+    close(run)
+    out = {"budget": budget, "gc": gc_peaks, "hilore": mine, "plan_mix": mix}
+    for kind in mine:
+        ratio = mine[kind] / gc_peaks[kind]
+        out[f"{kind}_ratio"] = ratio
+        out[f"{kind}_ok"] = ratio <= budget
+    return out
+
+
+def check(args) -> dict[str, Any]:
+    """Both checks (see the module docstring); ``ok`` says whether every one passed."""
+    config = _config(args)
+    base = build_model(config)
+    config["layers_n"] = len(lm_of(base).get_decoder().layers)
+    steps = make_steps(base, config)
+    exact = _exactness(base, config, steps)
+    memory = _memory(base, config, steps, args.budget)
+    ok = (all(exact[m]["ok"] for m in ("hilore_all_h", "hilore_all_r"))
+          and all(v for k, v in memory.items() if k.endswith("_ok")))
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return {"device": device, "dtype": args.dtype, "torch": torch.__version__,
+            "exactness": exact, "memory": memory, "ok": ok}
+
+
+def _lines(result: dict[str, Any]) -> list[str]:
+    exact, memory = result["exactness"], result["memory"]
+    lines = [f"device check on {result['device']} ({result['dtype']}, torch {result['torch']}):",
+             f"  GC vs a second GC run: max |diff| {exact['gc_vs_gc_max_abs']:.3g} "
+             f"({'bitwise' if exact['deterministic'] else 'NOT deterministic on this device'})"]
+    for method in ("hilore_all_h", "hilore_all_r"):
+        e = exact[method]
+        lines.append(f"  {method} vs GC: max |diff| {e['max_abs_vs_gc']:.3g} "
+                     f"({'ok' if e['ok'] else 'FAILED'})")
+    for kind in ("allocated", "reserved"):
+        if f"{kind}_ratio" in memory:
+            lines.append(f"  hilore@{memory['budget']:g} peak {kind}: "
+                         f"{memory['hilore'][kind] / 2**20:.1f} MiB = {memory[f'{kind}_ratio']:.3f}x "
+                         f"GC's {memory['gc'][kind] / 2**20:.1f} MiB "
+                         f"({'ok' if memory[f'{kind}_ok'] else 'OVER THE BUDGET'})")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_hilore.bench.device_check",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument("--budget", type=float, default=1.10)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--codec-backend", choices=("compile", "eager"), default="compile")
+    parser.add_argument("--json", default=None, help="write the result as JSON")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device here; allowed: cpu", file=sys.stderr)
+        return 2
+    result = check(args)
+    print("\n".join(_lines(result)))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One-shot GPU run of `hilore bench` in the paper's regime, on a fresh machine that has its own
+# torch (and transformers, peft, accelerate, mpi4py) but no deepspeed and no package registry.
+#
+#   examples/bench/gpu.sh [WHEELS_DIR]     (default: $HILORE_WHEELS, else examples/bench/wheels,
+#                                           filled beforehand by `make gpu-wheels`)
+#
+# Everything goes to one folder, $OUT (default output/gpu-bench): gpu.log (this script's whole
+# output), versions.txt, device_check.json, bench.json, bench.png. Steps:
+#   1. torch and its CUDA device, as found (never reinstalled);
+#   2. what is missing -- deepspeed first -- installed from the wheels folder with
+#      `pip install --no-index --no-deps`, then this checkout with `pip install --no-deps -e .`;
+#   3. the versions used;
+#   4. exactness (H and R against GC, bf16, bitwise) and the CUDA peak, allocated and reserved,
+#      against the budget (python -m ds_hilore.bench.device_check);
+#   5. the bench: qwen2.5-1.5b widths, all 28 layers, bf16, LoRA r=16, responses up to 2048
+#      tokens after a prompt, micro-batch 4, 2 microbatches per step, budget 1.10, paired rounds
+#      until decided or the time left of HILORE_GPU_MINUTES (default 9) is used.
+# Fails loudly: any error stops the script (set -e) except a failed check of step 4, which is
+# reported and makes the final exit status 1 after the bench has run; a method that fails on the
+# device fails the bench (--strict) instead of being reported as skipped.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+WHEELS="${1:-${HILORE_WHEELS:-$REPO/examples/bench/wheels}}"
+OUT="${OUT:-$REPO/output/gpu-bench}"
+PY="${PYTHON:-python3}"
+MINUTES="${HILORE_GPU_MINUTES:-9}"
+START="$(date +%s)"
+
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu.log") 2>&1
+cd "$REPO"
+export TORCH_EXTENSIONS_DIR="$OUT/torch_extensions"  # JIT ops of this run only
+export PYTHONUNBUFFERED=1
+
+echo "== 1. torch and the device"
+"$PY" - <<'PYEOF'
+import torch
+if not torch.cuda.is_available():
+    raise SystemExit("error: torch sees no CUDA device (torch %s, built for CUDA %s)"
+                     % (torch.__version__, torch.version.cuda))
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}, "
+      f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+PYEOF
+
+echo "== 2. installing what is missing from $WHEELS (torch untouched)"
+# import name:distribution name
+NEEDED="deepspeed:deepspeed hjson:hjson cpuinfo:py-cpuinfo msgpack:msgpack einops:einops
+        ninja:ninja pydantic:pydantic pydantic_core:pydantic-core annotated_types:annotated-types
+        typing_inspection:typing-inspection matplotlib:matplotlib contourpy:contourpy
+        cycler:cycler fontTools:fonttools kiwisolver:kiwisolver PIL:pillow pyparsing:pyparsing
+        dateutil:python-dateutil"
+missing=()
+for pair in $NEEDED; do
+    "$PY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    [ -d "$WHEELS" ] || { echo "error: missing ${missing[*]} and no wheels folder $WHEELS (make gpu-wheels)"; exit 1; }
+    echo "installing: ${missing[*]}"
+    "$PY" -m pip install --no-index --no-deps --no-build-isolation --find-links "$WHEELS" "${missing[@]}"
+fi
+"$PY" -m pip install --no-index --no-deps --no-build-isolation -e "$REPO"
+"$PY" -c "import torch, deepspeed, ds_hilore" >/dev/null
+
+echo "== 3. versions"
+"$PY" - <<'PYEOF' | tee "$OUT/versions.txt"
+import importlib.metadata as m, platform, torch
+print(f"python {platform.python_version()}; GPU {torch.cuda.get_device_name()}; "
+      f"CUDA {torch.version.cuda}")
+for name in ("torch", "deepspeed", "transformers", "peft", "accelerate", "mpi4py", "pydantic",
+             "matplotlib", "ds_hilore"):
+    try:
+        print(f"{name} {m.version(name)}")
+    except m.PackageNotFoundError:
+        print(f"{name} (not installed)")
+PYEOF
+
+echo "== 4. exactness and memory on CUDA (bf16)"
+check=0
+"$PY" -m ds_hilore.bench.device_check --device cuda --dtype bf16 --budget 1.10 \
+    --json "$OUT/device_check.json" || check=$?
+if [ "$check" -ne 0 ]; then
+    echo "DEVICE CHECK FAILED (exit $check): see above and $OUT/device_check.json"
+fi
+
+echo "== 5. the bench"
+left=$(( MINUTES * 60 - ($(date +%s) - START) - 30 ))  # seconds; 30 s for the report
+if [ "$left" -lt 120 ]; then
+    echo "error: only ${left}s left of ${MINUTES} minutes for the bench"; exit 1
+fi
+# seq 2732: a prompt of 683 tokens (T/4), then responses of 512 to 2048 tokens
+timeout --signal=INT "$(( left + 60 ))" "$PY" -m ds_hilore.cli bench \
+    --model qwen2.5-1.5b --dtype bf16 --device cuda --seq-len 2732 --micro-batch 4 \
+    --group-size 4 --grad-accum 2 --budgets 1.10 --ds-init --strict \
+    --methods nogc,gc,ds_ac,sac,block_h,all_l,static,hr,hilore \
+    --rounds auto --max-minutes "$(awk "BEGIN {print $left / 60}")" \
+    --json "$OUT/bench.json" --plot "$OUT/bench.png"
+
+echo "== done in $(( $(date +%s) - START )) s; results in $OUT"
+exit "$check"

@@ -1,0 +1,143 @@
+"""The scheduler's CUDA memory meters, against a recording stand-in for CUDA's memory API.
+
+No GPU is needed: ``torch.cuda``'s memory functions are replaced by ``_FakeCuda``, which keeps
+the caching allocator's counters (allocated, reserved, their peaks, free device memory) and
+records every call. What is asserted: the device's peak counters are never reset (other
+readers keep their peaks, NOTE [ Shared peak counters ]), a window's peak is read as an offset
+from the counter at its start, and the budget is clamped to what the device can give (NOTE
+[ What the device can give ]). Inconsistent counters fail loudly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_hilore
+from ds_hilore.config import HiLoReConfig
+from ds_hilore.plan import budget as budgets
+from ds_hilore.runtime.memory import DevicePeak
+from models import tiny_model
+
+CUDA = torch.device("cuda", 0)
+MiB = 2**20
+
+
+class _FakeCuda:
+    """CUDA's caching-allocator counters for one device, and a log of the calls made."""
+
+    def __init__(self, allocated: int, peak: int, reserved: int, total: int = 1000 * MiB):
+        self.allocated, self.peak, self.reserved, self.reserved_peak = allocated, peak, reserved, reserved
+        self.total, self.used_elsewhere = total, 100 * MiB  # context, NCCL, other processes
+        self.calls: list[str] = []
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+
+    def install(self, monkeypatch) -> None:
+        def reader(name, value):
+            def read(device=None):
+                self.calls.append(name)
+                return value()
+            monkeypatch.setattr(torch.cuda, name, read)
+        reader("memory_allocated", lambda: self.allocated)
+        reader("max_memory_allocated", lambda: self.peak)
+        reader("memory_reserved", lambda: self.reserved)
+        reader("max_memory_reserved", lambda: self.reserved_peak)
+        reader("mem_get_info", lambda: (self.total - self.reserved - self.used_elsewhere, self.total))
+        for name in ("reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
+                     "reset_accumulated_memory_stats", "synchronize"):
+            reader(name, lambda: None)
+
+    def resets(self) -> list[str]:
+        return [c for c in self.calls if c.startswith("reset")]
+
+
+@pytest.fixture
+def scheduler(monkeypatch):
+    runtime = ds_hilore.attach(tiny_model("llama", layers=2, hidden=32, heads=4, intermediate=64),
+                               {"codec_backend": "eager"})
+    policy = runtime.policy
+    monkeypatch.setattr(policy, "_device", lambda: CUDA)
+    yield policy
+    runtime.detach()
+
+
+def test_profiled_peak_is_an_offset_and_no_peak_counter_is_reset(scheduler, monkeypatch):
+    cuda = _FakeCuda(allocated=100 * MiB, peak=300 * MiB, reserved=320 * MiB)  # the user's peak: 300
+    cuda.install(monkeypatch)
+    scheduler._open_meter()
+    assert scheduler.baseline == 100 * MiB and cuda.resets() == []
+    cuda.alloc(400 * MiB)  # the profiled microbatch's peak: 500 MiB, above the earlier 300
+    cuda.alloc(-400 * MiB)
+    assert scheduler._close_meter(sampled=120 * MiB) == 500 * MiB
+    assert scheduler.step_stats["peak_exact"] is True
+    assert scheduler.step_stats["peak_reserved_bytes"] == 500 * MiB
+    assert torch.cuda.max_memory_allocated(CUDA) == 500 * MiB  # every other reader still sees it
+    assert cuda.resets() == []
+
+
+@pytest.mark.parametrize("key, value, expected_mib", [
+    ("memory_budget", 1.1, 150),  # relative to GC: the lower bound (highest reading inside)
+    ("memory_budget_bytes", 800 * MiB, 500),  # absolute: the upper bound (the earlier peak)
+])
+def test_a_window_under_an_earlier_peak_is_read_with_the_bound_its_budget_is_safe_with(
+        scheduler, monkeypatch, key, value, expected_mib):
+    scheduler.config = HiLoReConfig(**{key: value})
+    cuda = _FakeCuda(allocated=100 * MiB, peak=500 * MiB, reserved=500 * MiB)
+    cuda.install(monkeypatch)
+    scheduler._open_meter()
+    cuda.alloc(100 * MiB)  # peaks at 200 MiB: under the earlier 500, the counter does not move
+    cuda.alloc(-100 * MiB)
+    assert scheduler._close_meter(sampled=150 * MiB) == expected_mib * MiB
+    assert scheduler.step_stats["peak_exact"] is False
+    assert cuda.resets() == []
+
+
+def test_the_step_peak_is_measured_from_the_steps_first_forward(scheduler, monkeypatch):
+    cuda = _FakeCuda(allocated=100 * MiB, peak=900 * MiB, reserved=900 * MiB)  # an earlier step's peak
+    cuda.install(monkeypatch)
+    scheduler.steps = 7
+    scheduler._close_meter()  # begin_forward of the step's first microbatch
+    cuda.alloc(50 * MiB)
+    assert scheduler._peak_now() == 150 * MiB  # not the 900 MiB of before the step
+    cuda.alloc(850 * MiB)  # a new device peak inside the step: exact
+    cuda.alloc(-850 * MiB)
+    assert scheduler._peak_now() == 1000 * MiB
+    scheduler.steps = 8
+    scheduler._close_meter()
+    assert scheduler._peak_now() == 150 * MiB  # the next step starts its own window
+    assert cuda.resets() == []
+
+
+def test_a_reset_by_someone_else_inside_a_window_gives_a_peak_reached_inside_it(monkeypatch):
+    cuda = _FakeCuda(allocated=100 * MiB, peak=900 * MiB, reserved=900 * MiB)
+    cuda.install(monkeypatch)
+    window = DevicePeak(CUDA)
+    cuda.alloc(300 * MiB)
+    cuda.peak = cuda.allocated  # the training script resets the counter at 400 MiB
+    cuda.alloc(-200 * MiB)
+    assert window.close() == 400 * MiB and window.exact is False and window.upper == 900 * MiB
+
+
+def test_counters_that_contradict_the_allocator_fail_loudly(monkeypatch):
+    cuda = _FakeCuda(allocated=600 * MiB, peak=500 * MiB, reserved=700 * MiB)  # allocated > peak
+    cuda.install(monkeypatch)
+    with pytest.raises(AssertionError, match="bug in ds_hilore"):
+        DevicePeak(CUDA)
+
+
+@pytest.mark.parametrize("key, value, expected, bound", [
+    ("memory_fraction", 0.9, 1000 - 700 - 100 + 700 - 50, "device"),  # free + reserved - 5 %
+    ("memory_budget_bytes", 600 * MiB, 600, "hilore.memory_budget_bytes = 629145600"),
+    ("memory_budget", 4.0, 850, "device"),  # 4 x 300 MiB would be more than the device has
+])
+def test_the_budget_is_clamped_to_what_the_device_can_give(monkeypatch, key, value, expected, bound):
+    cuda = _FakeCuda(allocated=200 * MiB, peak=300 * MiB, reserved=700 * MiB)
+    cuda.install(monkeypatch)
+    assert budgets.budget_bytes(HiLoReConfig(**{key: value}), 300 * MiB, CUDA) == expected * MiB
+    got = budgets.budget_and_bound(HiLoReConfig(**{key: value}), 300 * MiB, CUDA)
+    assert got == (expected * MiB, bound)

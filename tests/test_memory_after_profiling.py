@@ -1,0 +1,69 @@
+"""Memory that appears after a shape was profiled (an optimizer's state, created at its first
+step) is charged to the plans made before it (NOTE [ Memory that appears after profiling ] in
+plan/scheduler.py): with an absolute budget, what the plan keeps stays within what is left."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from models import VOCAB, tiny_model
+
+import ds_hilore
+
+KEY = (8, 64)
+
+
+def _microbatch(model, seed: int) -> None:
+    ids = torch.randint(3, VOCAB, KEY, generator=torch.Generator().manual_seed(seed))
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # (B, T - 1, V)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+
+
+def _profiled_then_stepped(state_share: float, caplog):
+    """Step 0 discovers and profiles (two microbatches, all R), then the budget is set to GC's profiled peak
+    plus ``state_share`` x the AdamW state its first step creates, and the plan is made for it;
+    then the optimizer steps and ``end_step`` closes the step."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen2", layers=2, hidden=128, heads=4, intermediate=512, dropout=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # state allocated at step()
+    runtime = ds_hilore.attach(model, {"low_precision": "none", "profile_microbatches": 2,
+                                       "calibration_microbatches": 0,
+                                       "plan_validation_microbatches": 0,
+                                       "memory_budget_bytes": 1 << 40})
+    for k in range(3):  # discovery, then the two profiled microbatches
+        _microbatch(model, k)
+    bucket = runtime.policy.buckets[KEY]
+    assert bucket.profile is not None
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # exp_avg, exp_avg_sq
+    for cost in bucket.profile.units:  # every H pays: the plan does not depend on timings
+        cost.recompute_s, cost.capture_s, cost.derive_s = 1.0, 0.0, 0.0
+    gc_before = bucket.profile.gc_peak_bytes
+    runtime.config.memory_budget_bytes = gc_before + int(state_share * state)
+    runtime.policy.replan()
+    kept_before = bucket.plan.memory_bytes
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+        runtime.end_step()
+    return runtime, bucket, state, gc_before, kept_before
+
+
+def test_optimizer_state_created_after_profiling_leaves_less_room_for_the_plan(caplog):
+    runtime, bucket, state, gc_before, kept_before = _profiled_then_stepped(2.0, caplog)
+    assert kept_before > state  # before the step, the plan kept more than the state will take
+    assert bucket.profile.gc_peak_bytes - gc_before >= state  # GC's peak now carries the state
+    assert bucket.plan.memory_bytes <= bucket.budget_bytes - bucket.profile.gc_peak_bytes
+    assert bucket.plan.memory_bytes < kept_before
+    assert "below what gradient checkpointing itself needs" not in caplog.text
+    runtime.detach()
+
+
+def test_optimizer_state_above_the_budget_left_runs_as_GC_with_the_warning(caplog):
+    runtime, bucket, state, gc_before, kept_before = _profiled_then_stepped(0.9, caplog)
+    assert kept_before > 0  # before the step the plan kept something
+    assert set(bucket.plan.actions.values()) == {"R"}
+    assert bucket.plan.memory_bytes == 0
+    assert "is now below what gradient checkpointing itself needs" in caplog.text
+    runtime.detach()
