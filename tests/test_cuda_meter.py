@@ -141,3 +141,33 @@ def test_the_budget_is_clamped_to_what_the_device_can_give(monkeypatch, key, val
     assert budgets.budget_bytes(HiLoReConfig(**{key: value}), 300 * MiB, CUDA) == expected * MiB
     got = budgets.budget_and_bound(HiLoReConfig(**{key: value}), 300 * MiB, CUDA)
     assert got == (expected * MiB, bound)
+
+
+
+@pytest.mark.parametrize("earlier_mib, cut_mib", [
+    (500, 60 + 6),  # a new device peak, 660 MiB: exact, 60 over the budget, plus 1% of it
+    (900, 0),  # under an earlier peak: only its lower bound is known, no re-plan for it
+])
+def test_the_plans_peak_is_checked_as_an_offset_and_over_the_budget_lowers_the_headroom(
+        scheduler, monkeypatch, earlier_mib, cut_mib):
+    from ds_hilore.plan.allocate import Plan
+    from ds_hilore.plan.profile import Profiler
+    from ds_hilore.plan.scheduler import Bucket
+
+    scheduler.config = HiLoReConfig(memory_budget_bytes=600 * MiB)
+    plan = Plan({"u": "H"}, 50 * MiB, 1.0, 0.0, 80 * MiB, 0.0)
+    bucket = Bucket((2, 8), Profiler((2, 8), 1), plan=plan, budget_bytes=600 * MiB)
+    planned = []
+    monkeypatch.setattr(scheduler, "_plan_bucket", lambda b, profiled=True: planned.append(profiled))
+    cuda = _FakeCuda(allocated=100 * MiB, peak=earlier_mib * MiB, reserved=earlier_mib * MiB)
+    cuda.install(monkeypatch)
+    scheduler._open_check(bucket, 8)
+    check = scheduler.check
+    cuda.alloc(560 * MiB)  # the plan's microbatch peaks at 660 MiB
+    cuda.alloc(-560 * MiB)
+    scheduler._end_check(check)
+    assert bucket.checked is plan and scheduler.check is None and cuda.resets() == []
+    assert bucket.headroom_cut == cut_mib * MiB
+    assert planned == ([False] if cut_mib else [])
+    scheduler._open_check(bucket, 8)  # this plan was checked: not again
+    assert scheduler.check is None

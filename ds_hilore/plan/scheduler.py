@@ -55,6 +55,8 @@ class Bucket:
     loo_utilities: dict[int, float] | None = None  # seconds per layer, measured jointly
     shortest: int | None = None  # positions of the shortest profiled microbatch, over ranks
     byte_scale: dict[str, float] | None = None  # bytes x this per unit kind, for the longest
+    headroom_cut: int = 0  # bytes taken off the headroom by NOTE [ The plan's peak, checked ]
+    checked: Plan | None = None  # the last plan whose peak was checked
 
 
 class Scheduler:
@@ -73,6 +75,8 @@ class Scheduler:
         self.bucket: Bucket | None = None  # of the forward in progress
         self.rows_here = 1  # sequences of the forward in progress on this rank (Uneven batches)
         self.meter: DevicePeak | None = None  # CUDA: the profiled microbatch's peak window
+        self.check = None  # (bucket, plan, meter) of the microbatch whose plan's peak is checked
+        self.longest = 0  # the forward in progress's length, the max over ranks
         self.step_meter: tuple[int, DevicePeak] | None = None  # CUDA: (step, the step's window)
         self.baseline = 0
         self.passes = MatchedPasses(self)
@@ -94,6 +98,7 @@ class Scheduler:
             return
         begin = time.perf_counter()
         self._close_meter()
+        self._drop_check()
         self.rows_here, length = _shape(args, kwargs)
         key, shortest = self._bucket_key(self.rows_here, length)
         bucket = self.buckets.get(key)
@@ -114,9 +119,12 @@ class Scheduler:
         elif bucket.loo is not None:  # NOTE [ Leave-one-out ]: the plan, or it minus one layer
             variant = bucket.loo.next_variant()
             self._apply(bucket, recompute_layer=None if variant == LeaveOneOut.WARM_UP else variant)
+            if variant == LeaveOneOut.WARM_UP:  # the plan itself, and its timing is not used
+                self._open_check(bucket, self.longest)
             self.timing = (bucket.loo, variant, self._now(), self.rows_here * length)
         else:
             self._apply(bucket)
+            self._open_check(bucket, self.longest)
         if replayable:
             self.passes.begin_forward(args, kwargs, bucket)
         else:
@@ -171,11 +179,15 @@ class Scheduler:
         else:
             peak = self._peak_now()
             self.step_stats["peak_bytes"] = max(self.step_stats["peak_bytes"] or 0, peak)
+            if self.check is not None:
+                check = self.check
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_check(check))
 
     def end_step(self) -> None:
         if self.passes.running:
             return
         self._close_meter()
+        self._drop_check()
         self.passes.run()
         self._charge_memory_after_profiling()  # NOTE [ Memory that appears after profiling ]
         self.step_stats["grad_error_est_step"] = self.step_exposure.close(self.runtime.collective)
@@ -292,7 +304,7 @@ class Scheduler:
         relative = bound != "device" and self.config.memory_budget_bytes is None and \
             self.config.memory_fraction is None  # m x GC's peak (NOTE [ Priced for the bucket's longest ])
         bucket.byte_scale, gc_peak = _longest(bucket, relative)
-        headroom = bucket.budget_bytes - gc_peak
+        headroom = bucket.budget_bytes - gc_peak - bucket.headroom_cut
         if headroom < 0 and profiled:  # once per shape; replans reuse the same numbers
             logger.warning("ds_hilore: the memory budget (%s: %.1f MiB per rank) is below what "
                            "gradient checkpointing itself needs on %dx%d (%.1f MiB); running as GC "
@@ -561,6 +573,66 @@ class Scheduler:
             return self.step_meter[1].close()
         return in_use_bytes(device)  # CPU: sampled where the peak lives, the start of the backward
 
+    # NOTE [ The plan's peak, checked ]
+    # A plan is priced from the profile: GC's peak plus what it keeps. What it really peaks at
+    # can still differ (the allocator's rounding and fragmentation, a transient the profile's
+    # units do not own, a peak of the loss between units). So the first microbatch that runs a
+    # bucket's plan (a leave-one-out's warm-up variant: the plan itself) is measured as the
+    # profile's GC peak was, a ``DevicePeak`` window on CUDA (its lower bound when not exact: a
+    # check must not re-plan for another reader's peak) from its forward to the end of its
+    # backward. Not on CPU: its peak is sampled there, and an op-level reader cannot span a
+    # backward (the autograd engine puts the thread's dispatch modes back as they were when the
+    # backward began, so a mode removed in its end-of-backward callback returns). If it exceeds
+    # the bucket's budget, the bucket's headroom is lowered by the overshoot plus a margin (1%
+    # of the budget, at least 1 MiB) and the bucket is planned again; the overshoot is the max
+    # over ranks, so every rank re-plans the same. Each plan of a bucket is checked once; the
+    # plans re-solved per microbatch (``_plan_for_rows``) live within the same, corrected
+    # headroom and are not.
+    # A relative budget (m x GC's peak at the profiled length T0) allows m x GC(T) at length
+    # T (NOTE [ Priced for the bucket's longest ]): above T0 the budget's bytes do not bound the
+    # peak, so a check waits for a microbatch no longer than T0; an absolute one holds at any T.
+    def _open_check(self, bucket: Bucket, length: int) -> None:
+        """``length``: the microbatch's, the max over ranks (the same decision on every rank)."""
+        relative = bucket.budget_bound != "device" and self.config.memory_budget_bytes is None \
+            and self.config.memory_fraction is None
+        if bucket.checked is bucket.plan or bucket.budget_bytes is None or \
+                all(a == "R" for a in bucket.plan.actions.values()) or \
+                (relative and length > (bucket.shortest or bucket.key[1])):
+            return
+        device = self._device()
+        if device.type == "cuda":
+            self.check = (bucket, bucket.plan, DevicePeak(device))
+
+    def _drop_check(self) -> None:
+        """An open check whose backward never came (a forward without one): not checked."""
+        if self.check is not None:
+            meter, self.check = self.check[2], None
+            meter.close()
+
+    def _read_check(self, meter) -> int:
+        meter.close()
+        return meter.peak
+
+    def _end_check(self, check) -> None:
+        if self.check is not check:
+            return
+        self.check = None
+        bucket, plan, meter = check
+        peak = self._read_check(meter)
+        self.step_stats["peak_bytes"] = max(self.step_stats["peak_bytes"] or 0, peak)
+        bucket.checked = plan
+        over = float(peak - bucket.budget_bytes)
+        if self.runtime.collective is not None:
+            over = self.runtime.collective.all_reduce_max_float([over])[0]
+        if over <= 0 or plan is not bucket.plan:
+            return
+        cut = int(over) + max(2**20, bucket.budget_bytes // 100)
+        logger.info("ds_hilore: the plan for %dx%d peaked %.1f MiB over the memory budget "
+                    "(%.1f MiB); its headroom is lowered by %.1f MiB and it is planned again",
+                    *bucket.key, over / 2**20, bucket.budget_bytes / 2**20, cut / 2**20)
+        bucket.headroom_cut += cut
+        self._plan_bucket(bucket, profiled=False)
+
     # ------------------------------------------------------------------ ranks
     def _bucket_key(self, batch: int, length: int) -> tuple[tuple[int, int], int]:
         """NOTE [ Uneven batches ]
@@ -575,6 +647,7 @@ class Scheduler:
         if collective is not None:
             batch, length, negative = collective.all_reduce_max([batch, length, -length])
             shortest = -negative
+        self.longest = int(length)  # over ranks: a check's decision (``_open_check``)
         return (int(batch), 1 << max(0, math.ceil(math.log2(max(1, length))))), int(shortest)
 
     def _agree(self, profile: BucketProfile) -> BucketProfile:
@@ -587,7 +660,9 @@ class Scheduler:
         fields = ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error")
         counts = ("h_bytes", "l_bytes", "ff_bytes", "nonfinite_tensors")
         values = [getattr(u, f) for u in profile.units for f in fields + counts]
-        values = collective.all_reduce_max_float([float(v) for v in values + [profile.gc_peak_bytes]])
+        totals = [profile.baseline_bytes, profile.seconds, profile.gc_peak_bytes]  # gc_peak_bytes last
+        values = collective.all_reduce_max_float([float(v) for v in values + totals])
+        profile.baseline_bytes, profile.seconds = int(values[-3]), values[-2]  # the state saved
         k = len(fields) + len(counts)
         for i, unit in enumerate(profile.units):
             for j, f in enumerate(fields + counts):
