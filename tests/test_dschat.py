@@ -162,10 +162,29 @@ def test_zero3_planned_actor_and_critic_are_bitwise_the_script_alone(zero3):
         assert hilore["hilore"]["critic"]["enabled"]
 
 
+@pytest.fixture(scope="module")
+def zero3_one_rank():
+    gc = launch(under_run=False, env={}, args=ZERO3, nprocs=1)
+    planned = launch(under_run=True, args=ZERO3, nprocs=1, env={"DS_HILORE_CONFIG": json.dumps(
+        {**EXACT_PLANNER, "engines": {"RewardModel": {"activate": "always"}}})})
+    return gc, planned
+
+
 def test_zero3_parameter_states_after_every_micro_step_are_deepspeeds(zero3):
     """The plan changes (profiling, then the plan, leave-one-out) re-record ZeRO-3's trace; the
     persistent parameters must still be where DeepSpeed alone leaves them."""
-    gc, planned = zero3
+    _same_parameter_states(*zero3)
+
+
+def test_zero3_parameter_states_on_one_rank_are_deepspeeds(zero3_one_rank):
+    gc, planned = zero3_one_rank
+    for plain, hilore in zip(gc, planned, strict=True):
+        _bitwise(plain, hilore)
+        assert hilore["hilore"]["actor"]["planned"] == ["4x16"]
+    _same_parameter_states(gc, planned)
+
+
+def _same_parameter_states(gc: list[dict], planned: list[dict]) -> None:
     for plain, hilore in zip(gc, planned, strict=True):
         assert len(plain["ds_status"]) == STEPS * worker.GAS
         for micro, (expected, got) in enumerate(zip(plain["ds_status"], hilore["ds_status"], strict=True)):
