@@ -351,15 +351,10 @@ class HiLoReRuntime:
         """The live microbatch whose last layer output ``logp`` was computed from."""
         live = [mb for mb in list(self._live_mbs) if mb.live_frames()]
         if logp is not None and logp.grad_fn is not None and len(live) > 1:
-            wanted = {mb.last_hidden_fn: mb for mb in live if mb.last_hidden_fn is not None}
-            seen, todo = set(), [logp.grad_fn]
-            while todo and len(seen) < _MAX_GRAPH_WALK:  # the LM head is a few nodes above
-                node = todo.pop()
-                if id(node) in wanted:
-                    return wanted[id(node)]
-                if id(node) not in seen:
-                    seen.add(id(node))
-                    todo.extend(n for n, _ in node.next_functions if n is not None)
+            found = _first_reached(logp, {mb.last_hidden_fn: mb for mb in live
+                                          if mb.last_hidden_fn is not None})
+            if found is not None:
+                return found
         if len(live) > 1:  # every step alike: said once, then at DEBUG
             logger.log(logging.DEBUG if self._warned_ambiguous else logging.WARNING,
                        "ds_hilore: %d forwards are alive and the coefficients do not say which "
@@ -804,10 +799,17 @@ def _receive_coefficients(coefficients: torch.Tensor, logp: torch.Tensor, model:
 
 def _runtime_of(logp: torch.Tensor) -> "HiLoReRuntime | None":
     """The attached runtime with a live microbatch whose last layer output ``logp`` comes from."""
-    wanted = {mb.last_hidden_fn: rt for rt in list(_ATTACHED) if rt.attached
-              for mb in list(rt._live_mbs) if mb.last_hidden_fn is not None and mb.live_frames()}
+    return _first_reached(logp, {mb.last_hidden_fn: rt for rt in list(_ATTACHED) if rt.attached
+                                 for mb in list(rt._live_mbs)
+                                 if mb.last_hidden_fn is not None and mb.live_frames()})
+
+
+def _first_reached(logp: torch.Tensor, wanted: dict):
+    """The value of ``wanted`` (keyed by ``id`` of a layer output's grad_fn) whose node the
+    autograd graph of ``logp`` reaches first, walking back at most ``_MAX_GRAPH_WALK`` nodes
+    (the LM head is a few nodes above the last layer's output); None when none is reached."""
     seen, todo = set(), [logp.grad_fn] if logp.grad_fn is not None else []
-    while todo and len(seen) < _MAX_GRAPH_WALK:  # the LM head is a few nodes above
+    while todo and len(seen) < _MAX_GRAPH_WALK:
         node = todo.pop()
         if id(node) in wanted:
             return wanted[id(node)]
