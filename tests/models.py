@@ -168,3 +168,18 @@ def equal_utilities(monkeypatch):
         return profile
 
     monkeypatch.setattr(Profiler, "result", fixed)
+
+
+def one_torch_thread():
+    """A module fixture body (wrap it with ``pytest.fixture``): one torch thread while the
+    module's tests run -- on a small shared CPU two threads make a tiny model's microbatch
+    many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def planner_model():
+    """The small Qwen2 the allocator's and exposure's tests plan on."""
+    return tiny_model("qwen2", layers=2, hidden=64, intermediate=128, dropout=False)

@@ -25,7 +25,7 @@ import time
 
 import pytest
 import torch
-from models import VOCAB, equal_utilities, tiny_model
+from models import VOCAB, equal_utilities, one_torch_thread, planner_model, tiny_model
 
 import ds_hilore
 from ds_hilore.grpo import group_advantages, policy_loss
@@ -48,16 +48,8 @@ REWARDS = (torch.tensor([1.0, 0.0, 1.0, 1.0]),  # second group without spread: A
            torch.tensor([0.0, 1.0, 0.5, 0.25]))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _model():
-    return tiny_model("qwen2", layers=2, hidden=64, intermediate=128, dropout=False)
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
+_model = planner_model
 
 
 def _grpo_microbatch(model, step: int, rewards: torch.Tensor | None = None, group_size: int = 2,

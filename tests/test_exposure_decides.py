@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from models import VOCAB, tiny_model
+from models import VOCAB, one_torch_thread, planner_model, tiny_model
 
 import ds_hilore
 from ds_hilore.grpo import exposure, group_advantages, policy_loss
@@ -33,16 +33,8 @@ HIGH_23 = torch.tensor([0.1, -0.1, 2.0, -2.0])  # large |A| in rows 2-3
 TINY = torch.tensor([0.01, -0.01, 0.01, -0.01])  # tiny everywhere
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _model():
-    return tiny_model("qwen2", layers=2, hidden=64, intermediate=128, dropout=False)
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
+_model = planner_model
 
 
 def _ids(seed: int) -> torch.Tensor:
