@@ -45,11 +45,28 @@ def free_port() -> int:
 
 
 def write_result(result_dir: str | os.PathLike, rank: int, payload: dict) -> None:
-    """Worker side: write this rank's result as ``rank{rank}.json`` (atomically)."""
+    """Worker side, its last call: write this rank's result as ``rank{rank}.json`` (atomically),
+    then end torch.distributed (NOTE [ Ending the process group ])."""
     path = Path(result_dir) / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
     os.replace(tmp, path)
+    end_distributed()
+
+
+# NOTE [ Ending the process group ]
+# A process that exits with its gloo process group alive can abort in C++ while the interpreter
+# shuts down ("terminate called without an active exception": gloo's worker threads can still
+# hold work whose tensors the finalizing interpreter frees); a rank did so now and then, and its
+# launch failed. Every rank therefore meets the others at a barrier and destroys its process groups
+# before it exits.
+def end_distributed() -> None:
+    """Barrier, then ``destroy_process_group()``, when torch.distributed is up."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _command(script: Path, args: list[str], nprocs: int, launcher: str, port: int,
@@ -81,10 +98,9 @@ def _all_output(launcher_output: str, log_dir: Path) -> str:
     return "\n".join(parts)
 
 
-# A rank of a 2-rank CPU launch has been seen, rarely (2 of ~10 full suites, never alone), to abort
-# in C++ ("terminate called without an active exception") within seconds of starting its second
-# ZeRO-3 engine in one process, before any HiLoRe step of that engine; the cause is not found.
-# Such a launch is run once more, with a warning; a second abort fails the test.
+# A rank of a 2-rank CPU launch has been seen, rarely, to abort in C++ ("terminate called without
+# an active exception"; NOTE [ Ending the process group ]). Such a launch is run once more, with a
+# warning; a second abort fails the test.
 NATIVE_ABORT = "terminate called without an active exception"
 
 

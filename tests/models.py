@@ -170,6 +170,24 @@ def equal_utilities(monkeypatch):
     monkeypatch.setattr(Profiler, "result", fixed)
 
 
+def packing_pays(monkeypatch):
+    """Every unit's measured times replaced by ones that make H pay 1 s and L 0.98 s (its
+    codec costs 0.02 s): the knapsack then fills the memory with H and L whatever the load,
+    packing only where H does not fit (and the risk budget allows)."""
+    from ds_hilore.plan.profile import Profiler
+
+    result = Profiler.result
+
+    def fixed(self):
+        profile = result(self)
+        for cost in profile.units:
+            cost.recompute_s, cost.capture_s, cost.derive_s = 1.0, 0.0, 0.0
+            cost.pack_s = cost.unpack_s = 0.01
+        return profile
+
+    monkeypatch.setattr(Profiler, "result", fixed)
+
+
 def one_torch_thread():
     """A module fixture body (wrap it with ``pytest.fixture``): one torch thread while the
     module's tests run -- on a small shared CPU two threads make a tiny model's microbatch

@@ -258,7 +258,8 @@ def test_quick_demo_exits_0_and_prints_every_method():
         if method.exact:
             assert row["verdict"] == "bitwise" and float(row["err"]) == 0.0, method.name
         else:
-            assert row["verdict"] == "lossy" and 0.0 < float(row["err"]) < 0.05, method.name
+            # all-L (int8), the one lossy method: measured 2.2e-3, ~3x room
+            assert row["verdict"] == "lossy" and 0.0 < float(row["err"]) < 0.007, method.name
     units = 2 * demo.PRESETS["quick"].layers
     assert [rows[n]["rc"] for n in ("HiLoRe all-R", "HiLoRe all-H", "HiLoRe attn-H/mlp-R",
                                     "HiLoRe all-L (int8)")] == [str(units), "0", str(units // 2), "0"]

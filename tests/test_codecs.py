@@ -99,7 +99,7 @@ def test_int8_error_is_within_half_a_step_per_element(backend, dtype):
     else:
         # + fp32 rounding of x / s and of q * s: 2^-24 of |x| each
         assert (xf - y.double()).abs().le(step / 2 + 2.0 ** -22 * xf.abs()).all()
-        assert p.rel_error == pytest.approx(expected, rel=0.05)
+        assert p.rel_error == pytest.approx(expected, rel=0.005)  # measured: 0.12 % below
     assert p.rel_error <= hard
     assert 0.006 < p.rel_error < 0.0095  # the Gaussian estimate 0.0075 above
     assert p.rel_error == pytest.approx(true_rel_error(x, y), rel=1e-6)
@@ -111,6 +111,9 @@ def test_int8_error_is_within_half_a_step_per_element(backend, dtype):
 #   rel_error <= 2^-4 + 2^-10 ||s||_elementwise / ||x||    (hard bound, ~0.0625)
 #   rel_error ~= sqrt(sum spacing(y)^2 / 12 * s^2) / ||x||  (expected, uniform rounding)
 # which is ~0.026 for Gaussian data.
+FP8_ESTIMATE_AGREEMENT = {"fp8-token": 0.015, "fp8-block": 0.05}  # ~3x, 2.5x the measured
+
+
 def fp8_spacing(y: torch.Tensor) -> torch.Tensor:
     exponent = torch.floor(torch.log2(y.abs().clamp(min=2.0 ** -6)))
     return torch.exp2(exponent - 3)  # subnormals (|y| < 2^-6) share spacing 2^-9
@@ -138,7 +141,8 @@ def test_fp8_error_is_within_half_a_spacing_per_element(backend, name, options, 
         assert err.le(spacing / 2 + 2.0 ** -8 * y.double().abs() + 2.0 ** -22 * xf.abs()).all()
     else:
         assert err.le(spacing / 2 + 2.0 ** -22 * xf.abs()).all()  # + fp32 rounding
-        assert p.rel_error == pytest.approx(expected, rel=0.05)
+        # the uniform-rounding estimate, measured 0.5 % (token) and 2.0 % (block) above
+        assert p.rel_error == pytest.approx(expected, rel=FP8_ESTIMATE_AGREEMENT[label])
     assert p.rel_error <= hard
     assert 0.02 < p.rel_error < 0.032
     assert p.rel_error == pytest.approx(true_rel_error(x, y), rel=1e-6)
@@ -225,14 +229,19 @@ def test_compiled_kernels_do_not_recompile_for_new_shapes():
 
 @needs_compile
 def test_compiled_codec_works_inside_saved_tensor_hooks_and_backward():
-    codec = get_codec("int8", "compile")
-    w = torch.randn(64, 64, requires_grad=True)
+    w = gaussian(64, 64, seed=1).requires_grad_(True)
     x = gaussian(128, 64)
     exact = torch.autograd.grad(torch.tanh(x @ w).square().sum(), w)[0]
-    with torch.autograd.graph.saved_tensors_hooks(codec.pack, codec.unpack):
-        loss = torch.tanh(x @ w).square().sum()  # saves x (packed) and tanh's output (packed)
-    (approx,) = torch.autograd.grad(loss, w)
-    assert true_rel_error(exact, approx) < 0.05
+    approx = {}
+    for backend in ("compile", "eager"):
+        codec = get_codec("int8", backend)
+        with torch.autograd.graph.saved_tensors_hooks(codec.pack, codec.unpack):
+            loss = torch.tanh(x @ w).square().sum()  # saves x (packed) and tanh's output (packed)
+        (approx[backend],) = torch.autograd.grad(loss, w)
+    assert torch.equal(approx["compile"], approx["eager"])  # the same codec, compiled
+    # measured 0.020 (0.019-0.021 over 20 seeds of w): not the codec's ~0.0075, as tanh
+    # saturates (x @ w has std 8) and 1 - tanh^2 comes from an int8-rounded tanh near +-1
+    assert 0 < true_rel_error(exact, approx["compile"]) < 0.05
 
 
 @needs_compile

@@ -69,11 +69,11 @@ def scheduler(monkeypatch):
 def test_profiled_peak_is_an_offset_and_no_peak_counter_is_reset(scheduler, monkeypatch):
     cuda = _FakeCuda(allocated=100 * MiB, peak=300 * MiB, reserved=320 * MiB)  # the user's peak: 300
     cuda.install(monkeypatch)
-    scheduler._open_meter()
-    assert scheduler.baseline == 100 * MiB and cuda.resets() == []
+    scheduler.metering.open_profile()
+    assert scheduler.metering.baseline == 100 * MiB and cuda.resets() == []
     cuda.alloc(400 * MiB)  # the profiled microbatch's peak: 500 MiB, above the earlier 300
     cuda.alloc(-400 * MiB)
-    assert scheduler._close_meter(sampled=120 * MiB) == 500 * MiB
+    assert scheduler.metering.close_profile(sampled=120 * MiB) == 500 * MiB
     assert scheduler.step_stats["peak_exact"] is True
     assert scheduler.step_stats["peak_reserved_bytes"] == 500 * MiB
     assert torch.cuda.max_memory_allocated(CUDA) == 500 * MiB  # every other reader still sees it
@@ -89,10 +89,10 @@ def test_a_window_under_an_earlier_peak_is_read_with_the_bound_its_budget_is_saf
     scheduler.config = HiLoReConfig(**{key: value})
     cuda = _FakeCuda(allocated=100 * MiB, peak=500 * MiB, reserved=500 * MiB)
     cuda.install(monkeypatch)
-    scheduler._open_meter()
+    scheduler.metering.open_profile()
     cuda.alloc(100 * MiB)  # peaks at 200 MiB: under the earlier 500, the counter does not move
     cuda.alloc(-100 * MiB)
-    assert scheduler._close_meter(sampled=150 * MiB) == expected_mib * MiB
+    assert scheduler.metering.close_profile(sampled=150 * MiB) == expected_mib * MiB
     assert scheduler.step_stats["peak_exact"] is False
     assert cuda.resets() == []
 
@@ -101,15 +101,15 @@ def test_the_step_peak_is_measured_from_the_steps_first_forward(scheduler, monke
     cuda = _FakeCuda(allocated=100 * MiB, peak=900 * MiB, reserved=900 * MiB)  # an earlier step's peak
     cuda.install(monkeypatch)
     scheduler.steps = 7
-    scheduler._close_meter()  # begin_forward of the step's first microbatch
+    scheduler.metering.close_profile()  # begin_forward of the step's first microbatch
     cuda.alloc(50 * MiB)
-    assert scheduler._peak_now() == 150 * MiB  # not the 900 MiB of before the step
+    assert scheduler.metering.peak_now() == 150 * MiB  # not the 900 MiB of before the step
     cuda.alloc(850 * MiB)  # a new device peak inside the step: exact
     cuda.alloc(-850 * MiB)
-    assert scheduler._peak_now() == 1000 * MiB
+    assert scheduler.metering.peak_now() == 1000 * MiB
     scheduler.steps = 8
-    scheduler._close_meter()
-    assert scheduler._peak_now() == 150 * MiB  # the next step starts its own window
+    scheduler.metering.close_profile()
+    assert scheduler.metering.peak_now() == 150 * MiB  # the next step starts its own window
     assert cuda.resets() == []
 
 
@@ -161,13 +161,13 @@ def test_the_plans_peak_is_checked_as_an_offset_and_over_the_budget_lowers_the_h
     monkeypatch.setattr(scheduler, "_plan_bucket", lambda b, profiled=True: planned.append(profiled))
     cuda = _FakeCuda(allocated=100 * MiB, peak=earlier_mib * MiB, reserved=earlier_mib * MiB)
     cuda.install(monkeypatch)
-    scheduler._open_check(bucket, 8)
-    check = scheduler.check
+    scheduler.metering.open_check(bucket, 8)
+    check = scheduler.metering.check
     cuda.alloc(560 * MiB)  # the plan's microbatch peaks at 660 MiB
     cuda.alloc(-560 * MiB)
-    scheduler._end_check(check)
-    assert bucket.checked is plan and scheduler.check is None and cuda.resets() == []
+    scheduler.metering.end_check(check)
+    assert bucket.checked is plan and scheduler.metering.check is None and cuda.resets() == []
     assert bucket.headroom_cut == cut_mib * MiB
     assert planned == ([False] if cut_mib else [])
-    scheduler._open_check(bucket, 8)  # this plan was checked: not again
-    assert scheduler.check is None
+    scheduler.metering.open_check(bucket, 8)  # this plan was checked: not again
+    assert scheduler.metering.check is None

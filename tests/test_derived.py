@@ -72,7 +72,8 @@ def test_packed_units_derive_from_unpacked_inputs_with_bounded_error():
         den = sum(ref[k].double().pow(2).sum() for k in ref)
         errors[derive] = float((num / den).sqrt())
         packed[derive] = stats["L"]
-    assert 0 < errors[True] < 0.05 and 0 < errors[False] < 0.05, errors
+    # measured 0.0017 either way (int8 on every unit): ~3x room
+    assert 0 < errors[True] < 0.005 and 0 < errors[False] < 0.005, errors
     # int8, one fp32 scale per token and the run's (2,) fp64 error sums, for each of the
     # (N, I) tensors silu(g), silu(g) * u and the (N, H) x * rsqrt(var), no longer packed
     n = B * T

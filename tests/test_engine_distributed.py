@@ -196,7 +196,8 @@ def test_resume_step3_equals_uninterrupted(resume_runs, case):
 def allocator_zero3():
     # the file's own "hilore" block (memory_budget 1.1, no force_plan): HiLoRe decides; "split":
     # the same with packable slices and a plan of per-sequence splits, whose packed rows, elided
-    # rows (rank 1's A = 0) and risk fit come from each rank's own data
+    # rows (rank 1's A = 0), risk fit and one non-finite run (rank 0's, at worker.OVERFLOW_AT)
+    # come from each rank's own data
     return launch("zero3_hilore:full:gc:grpo_rank0_only", "zero3_hilore:full:auto:grpo_rank0_only",
                   "zero3_hilore:full:split:grpo_rank0_only", timeout=300)
 
@@ -223,6 +224,10 @@ def test_allocator_under_zero3_one_plan_no_hang_same_trajectory(allocator_zero3)
 
 
 def test_allocator_under_zero3_with_split_units_runs_the_same_actions_on_every_rank(allocator_zero3):
+    """Every decision that reads a rank's own data is one decision for all ranks: each rank
+    recomputes the same units, in the same order, every micro-step -- the risk fit (rank 0's
+    exposure; rank 1 has none), the elision (rank 1's A = 0) and the fallback of a unit whose
+    packed run was not finite on rank 0 only (NOTE [ Collective fallback ])."""
     case = "zero3_hilore:full:split:grpo_rank0_only"
     r0, r1 = (case_result(r, case) for r in allocator_zero3)
     _same_execution(r0, r1)
@@ -230,6 +235,15 @@ def test_allocator_under_zero3_with_split_units_runs_the_same_actions_on_every_r
     # rank 0 packs the rows a split packs; rank 1's sequences all have A = 0: nothing stored
     assert "L" in {a for s in r0["steps"][1:] for a in s["hilore"]["unit_actions"]}
     assert {a for s in r1["steps"][1:] for a in s["hilore"]["unit_actions"]} <= {"E", "R"}
+    # the risk fit of the first planned microbatch (step 2's last) sends rank 0's riskiest
+    # splits to R (worker.SPLIT_BLOCK's budget): rank 1 recomputes them too
+    assert r1["recomputed"][2 * GAS - 1] != []
+    # the overflow: counted on rank 0 alone, and its unit recomputed on both ranks
+    step, micro = worker.OVERFLOW_AT
+    assert [s["hilore"]["nonfinite_slices"] for s in r0["steps"]] == [int(k == step) for k in (1, 2, 3)]
+    assert [s["hilore"]["nonfinite_slices"] for s in r1["steps"]] == [0, 0, 0]
+    assert "model.layers.0.attn" in {n for names in r1["recomputed"][(step - 1) * GAS + micro]
+                                     for n in names}  # the unit of rank 0's first packed run
     for rank in allocator_zero3:
         got, ref = case_result(rank, case), case_result(rank, "zero3_hilore:full:gc:grpo_rank0_only")
         assert got["losses"][:2 * GAS] == ref["losses"][:2 * GAS]  # step 1 all R: bitwise GC

@@ -254,6 +254,74 @@ def test_sequences_predicted_zero_are_never_captured_and_their_memory_is_spent()
     assert full[3] <= budget and zero[3] <= budget, (full[3], zero[3], budget)
 
 
+def test_a_microbatch_predicted_zero_everywhere_captures_nothing_and_skips_its_recompute():
+    """NOTE [ A microbatch predicted zero ]: A = 0 on every sequence, predicted. Before any ω
+    has come from the loss, the plan re-solved for no rows keeps every unit with each of its
+    rows elided at capture (E), as before; once one has, nothing is captured (every unit R,
+    no per-sequence rows), the recompute is skipped when ω shows the zeros (nor counted in
+    ``exposure_quartiles``: it has none), and a step of it and a microbatch with ω has
+    bitwise the gradient of no checkpointing (H and R only here)."""
+    model, reference = _model(), _model()
+    runtime = ds_hilore.attach(model, dict(BASE, low_precision="none",
+                                           memory_budget_bytes=(1 << 30) + 1_500_000))
+    _resume(runtime, _fixed_profile(runtime))  # one unit H (1 MB of 1.5), the rest R
+    zero = torch.zeros(B)
+    try:
+        actions, rows, _, _ = _predicted_step(model, runtime, 3, zero)  # no ω seen yet
+        assert rows.keys() == {n for n, a in actions.items() if a != "R"} and rows, actions
+        assert all(set(r) == {"E"} for r in rows.values()), rows
+        model.zero_grad(set_to_none=True)
+        actions, rows, captured, _ = _predicted_step(model, runtime, 4, zero)
+        stats = runtime.stats
+        zero_stats, quartiles = stats["microbatches"][-1], stats["exposure_quartiles"]
+        _predicted_step(model, runtime, 5, HIGH_01)
+        planned = runtime.stats["microbatches"][-1]["actions"]
+    finally:
+        runtime.detach()
+    assert set(actions.values()) == {"R"} and rows == {} and captured == {}, (actions, rows)
+    assert zero_stats["recomputed_units"] == 0 and zero_stats["actions"]["E"] == 0, zero_stats
+    assert quartiles is None, quartiles  # no exposure: no quartiles, R not counted in them
+    assert planned["H"] == 1, planned  # the other microbatch kept its plan
+    for seed, advantages in ((4, zero), (5, HIGH_01)):
+        ids, mask = _ids(seed), _mask()
+        logits = reference(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        policy_loss(logp, logp.detach(), advantages, mask, model=reference).loss.backward()
+    got, ref = _grads(model), _grads(reference)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)), _rel_error(got, ref)
+
+
+def test_plans_for_a_predicted_risk_factor_are_solved_rarely_and_never_under_priced(monkeypatch):
+    """NOTE [ Freed memory is spent ]: after a step (N = 2), microbatches predicted at rho =
+    P_m / (P_step / N) = 2, 0.8 and 0.83. At 2 the bucket's plan still fits the risk budget
+    (its risk 0.003 x 2): it is applied, nothing solved; 0.8 and 0.83 share one solve, for rho
+    rounded up to 2^(-1/4) = 0.84 (never below the predicted factor)."""
+    from ds_hilore.plan import scheduler
+
+    model = _model()
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget_bytes=(1 << 30) + int(1.9e6)))
+    _resume(runtime, _fixed_profile(runtime, h_bytes=1_000_000, rel_error=0.001))
+    bucket = runtime.policy.buckets[BUCKET]
+    solves = []  # the knapsack solves for a microbatch (the bucket's plan is solved above)
+    allocate = scheduler.allocate
+    monkeypatch.setattr(scheduler, "allocate",
+                        lambda *a, **k: solves.append(a[1]) or allocate(*a, **k))
+    calls = _record(runtime)
+    try:
+        for j in range(2):
+            _microbatch(model, j, HIGH_01)
+        runtime.end_step()
+        assert runtime.policy.step_exposure.previous_count == 2 and bucket.plan.risk <= 0.004
+        for j, step in enumerate((4.0, 10.0, 8 / 0.83)):  # P_m = 4: rho 2, 0.8, 0.83
+            runtime.expect([1.0] * B, step)
+            _microbatch(model, 10 + j, HIGH_01)
+        keys = list(runtime.policy.row_plans)
+    finally:
+        runtime.detach()
+    assert calls[-3][0] == bucket.plan.actions, (calls[-3], bucket.plan.actions)
+    assert len(solves) == 1 and [k[2] for k in keys] == [2 ** -0.25], (solves, keys)
+
+
 # ---------------------------------------------------------------------------- (c) the step's error
 
 def test_risk_estimate_tracks_the_measured_error_of_the_steps_gradient():

@@ -2,10 +2,11 @@
 
 A read of a device value (``item``, ``tolist``, ``bool(t)``, ``torch.equal`` ...) stalls a GPU's
 queue; the forward and backward of HiLoRe's layers must not do one per saved tensor or per
-layer (NOTE [ One read per microbatch ] in storage.py, NOTE [ Checked elision ]). Counted here
-with a ``TorchFunctionMode`` over every call made from ds_hilore's own code, on a LoRA model
-under bf16 autocast (weight casts), with packed units (codec statistics) and elided sequences
-(the elision check).
+layer: a planned microbatch reads twice, at its coefficients and at the top of its backward
+(NOTE [ Two reads per microbatch ] in runtime/reads.py). Counted here with the read methods
+wrapped, over every call made from ds_hilore's code but the loss's own, on a LoRA model under
+bf16 autocast (weight casts), with packed units (codec statistics) and elided sequences (the
+elision checks, and the late flags the previous backward left).
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from ds_hilore import HiLoReError
 from ds_hilore.grpo import policy_loss
 
 PACKAGE = str(Path(ds_hilore.__file__).parent)
+LOSS = str(Path(ds_hilore.__file__).parent / "grpo" / "policy.py")  # its input checks, metrics
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "equal", "cpu",
          "numpy", "is_nonzero")
 
 
 class DeviceReads:
-    """Counts reads of tensor values made by ds_hilore's code, forward and backward (the
-    methods are wrapped on the class: modes do not reach the autograd engine's hooks). RNG
-    states are host-side and not counted."""
+    """Counts reads of tensor values made by ds_hilore's code but the loss's own (its input
+    checks and metrics, one read each: the loss's, not the runtime's), forward and backward
+    (the methods are wrapped on the class: modes do not reach the autograd engine's hooks).
+    RNG states are host-side and not counted."""
 
     def __init__(self, monkeypatch):
         self.count = 0
@@ -42,7 +45,8 @@ class DeviceReads:
     def _counted(self, method):
         def wrapper(*args, **kwargs):
             caller = sys._getframe(1)
-            if self.active and caller.f_code.co_filename.startswith(PACKAGE):
+            where = caller.f_code.co_filename
+            if self.active and where.startswith(PACKAGE) and where != LOSS:
                 tensors = [a for a in args if isinstance(a, torch.Tensor)]
                 if not all(t.dtype == torch.uint8 and t.dim() == 1 for t in tensors):
                     self.count += 1
@@ -53,29 +57,39 @@ class DeviceReads:
 
 class CountedCollective:
     """A stand-in for ``runtime.collective`` (the collective only) of ranks that all agree:
-    counts the calls, each one a sync of the host with the device on NCCL."""
+    records the function that called it, each call a sync of the host with the device on NCCL."""
 
     def __init__(self):
         self.calls: list[str] = []
 
-    def all_reduce_max(self, values):
-        self.calls.append(sys._getframe(1).f_code.co_name)
+    def _record(self, values):
+        caller = sys._getframe(2)
+        self.calls.append(caller.f_code.co_name)
         return list(values)
 
+    def all_reduce_max(self, values):
+        return self._record(values)
+
     def all_reduce_max_float(self, values):
-        return self.all_reduce_max(values)
+        return self._record(values)
 
     def all_reduce_sum(self, values):
-        return self.all_reduce_max(values)
+        return self._record(values)
 
     def broadcast_object(self, obj):
         return obj
 
 
-def _reads_per_microbatch(layers: int, monkeypatch, collective=None) -> int:
+PLANNED = {"force_plan": {"*.attn": "L", "*.mlp": "H"}, "codec_backend": "eager",
+           "min_pack_numel": 0, "profile_microbatches": 1, "calibration_microbatches": 0,
+           "plan_validation_microbatches": 0}
+
+
+def _reads_per_microbatch(layers: int, monkeypatch, collective=None) -> tuple[list[str], list[str]]:
+    """(reads, collective calls) of one planned microbatch (its bucket profiled first), after
+    another planned one whose backward left late flags (two of the four sequences are elided)."""
     model = with_lora(tiny_model("llama", layers=layers, hidden=64, intermediate=128))
-    runtime = ds_hilore.attach(model, {"force_plan": {"*.attn": "L", "*.mlp": "H"},
-                                       "codec_backend": "eager", "min_pack_numel": 0})
+    runtime = ds_hilore.attach(model, PLANNED)
     runtime.collective = collective
     inputs = batch(batch_size=4, seq=16)
     ids = inputs["input_ids"]
@@ -88,7 +102,8 @@ def _reads_per_microbatch(layers: int, monkeypatch, collective=None) -> int:
         mask = torch.ones_like(logp, dtype=torch.bool)
         policy_loss(logp, logp.detach(), adv, mask, loss_type="grpo", model=model).loss.backward()
 
-    step()  # warm: first-use work (codec tables, probe) is not per microbatch
+    step()  # profiled
+    step()  # warm: first-use work (codec tables, the first plan) is not per microbatch
     counter = DeviceReads(monkeypatch)
     counter.active = True
     if collective is not None:
@@ -96,35 +111,81 @@ def _reads_per_microbatch(layers: int, monkeypatch, collective=None) -> int:
     step()
     counter.active = False
     monkeypatch.undo()
+    calls = list(collective.calls) if collective is not None else []
     last = runtime.stats["microbatches"][-1]
     assert last["actions"]["L"] == layers and last["exact_zero_sequences"] == 2
-    return counter.where
+    assert runtime.policy.buckets[(4, 16)].plan is not None  # a planned microbatch
+    assert runtime.policy.step_stats["grad_error_est"]  # its risk was fitted from exposure
+    runtime.end_step()  # reads the late flags the last backward left (none set)
+    return counter.where, calls
 
 
 def test_device_reads_do_not_grow_with_the_layer_count(monkeypatch):
-    two, four = _reads_per_microbatch(2, monkeypatch), _reads_per_microbatch(4, monkeypatch)
+    (two, _), (four, _) = _reads_per_microbatch(2, monkeypatch), _reads_per_microbatch(4, monkeypatch)
     print("device reads per microbatch:", two)
     assert two == four, (two, four)
-    # the loss: input checks, metrics; the runtime: zero rows of ω, the elision check at the
-    # top layer with the deferred checks in the same read, the late per-layer flags
-    assert len(four) <= 5, four
+    # at the coefficients: ω's masses (zero rows), exposure, the forward's deferred checks and
+    # the previous backward's late flags; at the top of the backward: the elision check
+    assert len(four) <= 2, four
 
 
-def test_the_top_of_the_backward_is_one_read_and_one_all_reduce_under_several_ranks(monkeypatch):
-    collective = CountedCollective()
-    reads = _reads_per_microbatch(2, monkeypatch, collective)
-    # the microbatch's shape at its start, the elision's decision at the coefficients, then
-    # the leak check at the top of the backward carrying the forward's deferred checks (settle)
-    assert collective.calls == ["_bucket_key", "_agree", "settle"], collective.calls
-    assert len(reads) <= 5, reads
+def test_the_coefficients_and_the_top_of_the_backward_are_one_all_reduce_each(monkeypatch):
+    reads, calls = _reads_per_microbatch(2, monkeypatch, CountedCollective())
+    # the policy's at the microbatch's start (its shape, its rows' plan); at the coefficients
+    # the elision's decision (with the deferred checks and the late flags), then the policy's
+    # risk decision; at the top of the backward the leak check with anything deferred since
+    assert calls == ["_bucket_key", "_plan_for_rows", "_agree", "_fit_risk", "settle"], calls
+    assert len(reads) <= 2, reads
 
 
-def test_a_cast_that_is_not_one_sends_its_unit_to_recompute(monkeypatch):
+def test_one_read_returns_every_part_exactly(monkeypatch):
+    from ds_hilore.runtime.reads import read_once
+
+    parts = [torch.tensor([0.1, 3.0e-39, 7.0]), None, torch.tensor([True, False]),
+             torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+             torch.tensor([1 / 3], dtype=torch.float64), torch.zeros(0), torch.tensor(True)]
+    expected = [[] if p is None else p.reshape(-1).tolist() for p in parts]
+    counter = DeviceReads(monkeypatch)
+    counter.active = True
+    got = read_once(parts)
+    nothing = read_once([None, torch.zeros(0)])
+    counter.active = False
+    assert got == expected  # the fp32 values read as fp64 are the same Python floats
+    assert nothing == [[], []]
+    assert counter.count == 1, counter.where  # and none when there is nothing to read
+
+
+def _grpo_loss_and_grads(model, ids, adv):
+    """A GRPO loss (its coefficients handed to the runtime) under bf16 autocast, and the
+    gradients of every trainable parameter (the same dropout masks in every run)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=ids).logits.float()  # (B, T, V)
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    loss = policy_loss(logp, logp.detach(), adv, mask, loss_type="grpo", model=model).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.requires_grad and p.grad is not None}
+
+
+@pytest.mark.parametrize("loss", ["plain", "grpo"])
+def test_a_cast_that_is_not_one_sends_its_unit_to_recompute(monkeypatch, loss):
     # the deferred proof fails (forced here): the unit is recomputed, so gradients stay exact.
     # The disproved reference is poisoned (NaN): had the slot still been read, gradients break.
+    # A plain loss hands no coefficients: the proofs are read at the first unpack; a GRPO loss
+    # does: they are read with its coefficients (NOTE [ Two reads per microbatch ]).
     model = with_lora(tiny_model("llama", layers=2))
     inputs = batch()
-    ref_loss, ref = loss_and_grads(model, inputs, autocast=torch.bfloat16)
+    adv = torch.tensor([1.0, -0.5, 0.25])
+
+    def run():
+        if loss == "plain":
+            return loss_and_grads(model, inputs, autocast=torch.bfloat16)
+        return _grpo_loss_and_grads(model, inputs["input_ids"], adv)
+
+    ref_loss, ref = run()
     runtime = ds_hilore.attach(model, {"low_precision": "none", "force_plan": "H"})
     recognize = runtime._weights._frozen_cast
 
@@ -137,10 +198,11 @@ def test_a_cast_that_is_not_one_sends_its_unit_to_recompute(monkeypatch):
         return ref
 
     monkeypatch.setattr(runtime._weights, "_frozen_cast", disproved)
-    loss, grads = loss_and_grads(model, inputs, autocast=torch.bfloat16)
-    assert torch.equal(loss, ref_loss)
+    got_loss, grads = run()
+    assert torch.equal(got_loss, ref_loss)
     assert [n for n in ref if not torch.equal(ref[n], grads[n])] == []
     assert runtime.stats["recomputed_units"] == 4  # every unit fell back
+    assert runtime.stats["actions"] == {"H": 0, "L": 0, "R": 4, "E": 0}
 
 
 def _grpo_with_intermediate_loss(model, ids, keep):
@@ -152,14 +214,55 @@ def _grpo_with_intermediate_loss(model, ids, keep):
     return loss + 0.1 * keep["h"].square().mean()  # reaches sequence 1 below the top layer
 
 
-def test_loss_on_an_unrecorded_intermediate_hidden_state_is_an_error_not_a_wrong_gradient():
+def _leaking_model():
     model = tiny_model("llama", layers=3)
-    ids = batch()["input_ids"]
-    ds_hilore.attach(model, {"low_precision": "none", "force_plan": "H"})
+    runtime = ds_hilore.attach(model, {"low_precision": "none", "force_plan": "H"})
     keep = {}
-    model.model.layers[0].register_forward_hook(lambda m, a, out: keep.update(h=out))
+    handle = model.model.layers[0].register_forward_hook(lambda m, a, out: keep.update(h=out))
+    return model, runtime, keep, handle
+
+
+def test_loss_on_an_unrecorded_intermediate_hidden_state_is_an_error_before_any_step():
+    # the per-layer flags are read after the backward, not at its end (NOTE [ Two reads per
+    # microbatch ]): the optimizer's step raises before it changes anything
+    model, runtime, keep, _ = _leaking_model()
+    ids = batch()["input_ids"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _grpo_with_intermediate_loss(model, ids, keep).backward()
     with pytest.raises(HiLoReError, match="intermediate layer's hidden state"):
-        _grpo_with_intermediate_loss(model, ids, keep).backward()
+        optimizer.step()
+    assert [n for n, p in model.named_parameters() if not torch.equal(before[n], p)] == []
+    optimizer.step()  # read once: the next step is not refused again
+    # without an optimizer, ``end_step`` raises
+    _grpo_with_intermediate_loss(model, ids, keep).backward()
+    with pytest.raises(HiLoReError, match="intermediate layer's hidden state"):
+        runtime.end_step()
+
+
+class LateOnOtherRank:
+    """``runtime.collective`` of two ranks whose other rank's last backward leaked: the late
+    flag it sends with the elision's decision (last of the vector ``_agree`` all-reduces)."""
+
+    def all_reduce_max(self, values):
+        if sys._getframe(1).f_code.co_name == "_agree":
+            return [*values[:-1], 1]
+        return list(values)
+
+
+def test_a_leak_is_read_with_the_next_coefficients_and_raised_on_every_rank():
+    model, runtime, keep, handle = _leaking_model()
+    ids = batch()["input_ids"]
+    adv = torch.tensor([1.0, 0.0, -1.0])
+    _grpo_with_intermediate_loss(model, ids, keep).backward()  # leaked: nothing read yet
+    handle.remove()
+    with pytest.raises(HiLoReError, match="intermediate layer's hidden state"):
+        _grpo_loss_and_grads(model, ids, adv)  # the next microbatch's coefficients read it
+    _grpo_loss_and_grads(model, ids, adv)  # a clean backward after it: nothing to raise
+    runtime.end_step()
+    runtime.collective = LateOnOtherRank()  # this rank is clean, the other one leaked
+    with pytest.raises(HiLoReError, match="intermediate layer's hidden state"):
+        _grpo_loss_and_grads(model, ids, adv)
 
 
 def test_loss_on_recorded_hidden_states_is_checked_at_every_layer_and_exact():

@@ -48,6 +48,8 @@ def test_random_instances_feasible_and_within_bound():
         _assert_feasible(groups, sol, memory_budget, risk_budget)
         assert sol.utility <= exact.utility + 1e-12
         assert exact.utility <= sol.utility + sol.bound + 1e-9
+        if sol.bound == 0.0:  # exact: rounding lost nothing, or the relaxation's optimum fit
+            assert sol.utility >= exact.utility - 1e-9
         gaps += exact.utility > sol.utility + 1e-9
     assert gaps > 0  # the instances do exercise the rounding loss, not only easy cases
 
@@ -128,12 +130,26 @@ def test_rounding_up_rejects_what_fits_only_when_rounded_down():
 
 
 def test_rounding_loss_is_reported_in_bound():
-    # 3 + 6 bytes fit in 10, but cost 2 + 3 ceil-bins of 2.5 bytes > 4: the DP takes one, the
-    # rounded-down relaxation both, so bound covers the missed unit of utility.
-    groups = [[ZERO, Option("a", 1.0, 3, 0.0)], [ZERO, Option("b", 1.0, 6, 0.0)]]
+    # 6 + 5 bytes cost 3 + 2 ceil-bins of 2.5 bytes > 4: the DP takes one; the rounded-down
+    # relaxation (2 + 2 bins) takes both, which do not fit (11 > 10): bound covers its unit.
+    groups = [[ZERO, Option("a", 1.0, 6, 0.0)], [ZERO, Option("b", 1.0, 5, 0.0)]]
     sol = solve(groups, 10, 0.0, memory_bins=4)
     assert sol.utility == 1.0 and sol.bound == 1.0
-    assert brute_force(groups, 10, 0.0).utility == 2.0
+    assert brute_force(groups, 10, 0.0).utility == 1.0
+
+
+def test_a_relaxed_optimum_that_fits_is_returned_exact():
+    # 3 + 6 bytes fit in 10, but cost 2 + 3 ceil-bins of 2.5 bytes > 4: rounding up takes one;
+    # the rounded-down relaxation takes both, and they fit: that is the exact optimum.
+    groups = [[ZERO, Option("a", 1.0, 3, 0.0)], [ZERO, Option("b", 1.0, 6, 0.0)]]
+    sol = solve(groups, 10, 0.0, memory_bins=4)
+    assert sol == brute_force(groups, 10, 0.0) and sol.utility == 2.0 and sol.bound == 0.0
+    # The same on risk, as in a nearly spent risk budget: six units of 0.00246 in 0.015 cost
+    # 11 ceil-bins of 0.015 / 64 each (66 > 64), yet fit (0.01476).
+    unit = [ZERO, Option("L", 1.0, 0, 0.00246)]
+    sol = solve([unit] * 7, 0, 0.015)
+    assert sol.choice.count(1) == 6 and sol.risk <= 0.015 and sol.bound == 0.0
+    assert sol == brute_force([unit] * 7, 0, 0.015)
 
 
 def test_zero_and_infinite_budgets():

@@ -12,6 +12,10 @@ from ds_hilore.runtime.storage import Counters, Stored
 # Documented bounds for all-L on a tiny Llama (2 layers, hidden 64, seq 64 x 3, fp32, no dropout):
 # measured 0.0034 (int8 per-token absmax) and 0.0143 (fp8 e4m3 per-token); the bounds leave ~2x room.
 ALL_L_BOUND = {"int8": 0.008, "fp8_e4m3": 0.03}
+# The codec's own error on those tensors (stats' packed_rel_error_max): measured 0.0066 (int8)
+# and 0.026 (fp8); int8 with ~3x room, fp8 with ~2x (3x would pass its hard bound, 2^-4: half a
+# spacing of 3 mantissa bits on every normal value).
+PACKED_ERROR_BOUND = {"int8": 0.02, "fp8_e4m3": 0.05}
 
 
 def _rel_error(ref: dict, got: dict) -> float:
@@ -49,7 +53,7 @@ def test_all_L_gradient_error_is_bounded(low_precision):
     assert 0 < error < ALL_L_BOUND[low_precision]
     assert [u.action for u in runtime.units] == ["L"] * 4
     assert runtime.stats["recomputed_units"] == 0  # L never recomputes
-    assert 0 < runtime.stats["packed_rel_error_max"] < 0.05
+    assert 0 < runtime.stats["packed_rel_error_max"] < PACKED_ERROR_BOUND[low_precision]
 
 
 def test_compiled_and_eager_codecs_give_the_same_gradients():

@@ -1,6 +1,6 @@
 """Memory that appears after a shape was profiled (an optimizer's state, created at its first
 step) is charged to the plans made before it (NOTE [ Memory that appears after profiling ] in
-plan/scheduler.py): with an absolute budget, what the plan keeps stays within what is left."""
+plan/metering.py): with an absolute budget, what the plan keeps stays within what is left."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Packed sequences (one row, restarting position_ids): slices, exposure and elision per segment.
 
-NOTE [ Packed sequences ] in ds_hilore/runtime/core.py. Segments here: tokens [0, 8), [8, 18),
+NOTE [ Packed sequences ] in ds_hilore/runtime/packed.py. Segments here: tokens [0, 8), [8, 18),
 [18, 24) of one row of 24 (24 is no other dimension of the tiny models, so layouts are
 unambiguous). ``use_cache=False`` without an attention_mask: transformers builds a
 block-diagonal causal mask from the packed position_ids (segments never see each other); an
@@ -115,8 +115,8 @@ def test_per_segment_plan_packs_and_elides_segments():
     loss.backward()
     ref, got = _grads(reference), _grads(model)
     assert ref.keys() == got.keys()
-    for name in ref:
-        assert float((got[name] - ref[name]).norm() / ref[name].norm()) < 0.05, name
+    for name in ref:  # measured: at most 0.0068 (int8 on one segment of three), ~3x room
+        assert float((got[name] - ref[name]).norm() / ref[name].norm()) < 0.02, name
     assert runtime.stats["recomputed_units"] == 0
 
 

@@ -465,3 +465,70 @@ def test_per_sequence_plan_must_match_the_batch():
     runtime.set_plan("H", rows={"model.layers.0.attn": ("H", "E")})
     with pytest.raises(HiLoReError, match="has 2 entries, but this microbatch has 3 sequences"):
         model(**batch())
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """module -> the ds_hilore.runtime modules it imports, anywhere in its source (deferred
+    and TYPE_CHECKING imports included)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(ds_hilore.__file__).parent / "runtime"
+    graph = {}
+    for path in folder.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found |= {n.split(".")[2] for n in names
+                      if n.startswith("ds_hilore.runtime.") and (folder / f"{n.split('.')[2]}.py").exists()}
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def test_runtime_modules_import_each_other_without_a_cycle():
+    graph = _runtime_imports()
+    assert graph["storage"] <= {"slots"}  # what a unit keeps knows no frame
+    done, path = set(), []
+
+    def visit(module):
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
+        if module in done:
+            return
+        path.append(module)
+        for other in sorted(graph[module] - {"__init__"}):
+            visit(other)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_the_runtime_modules_still_export_their_names():
+    from ds_hilore.runtime import HiLoReRuntime, attach, find_runtime  # noqa: F401
+    from ds_hilore.runtime.bundle import (  # noqa: F401
+        CapturePlan,
+        FastForward,
+        LayerFrame,
+        Replay,
+        RngState,
+        StopReplay,
+        autocast_state,
+        drop_cache,
+        hidden_input,
+        placeholder,
+        replay_autocast,
+    )
+    from ds_hilore.runtime.core import _ATTACHED, ACTIONS  # noqa: F401
+    from ds_hilore.runtime.core import HiLoReRuntime as Runtime
+    from ds_hilore.runtime.core import attach as attach_core
+    from ds_hilore.runtime.core import find_runtime as find_core
+    from ds_hilore.runtime.storage import Counters, Slot, Stored, row_block, segment_spans  # noqa: F401
+
+    assert (Runtime, attach_core, find_core) == (HiLoReRuntime, attach, find_runtime)
+    assert ds_hilore.find_runtime is find_runtime and ds_hilore.HiLoReRuntime is HiLoReRuntime

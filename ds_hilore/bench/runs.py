@@ -232,7 +232,11 @@ def sync(device: str) -> None:
 
 
 def measure_peak(run: Run, micro_batches, device: str) -> tuple[int, int]:
-    """(whole-process peak, peak above the step's start) of one metered step."""
+    """(whole-process peak, peak above the step's start) of one metered step: forward, loss,
+    backward, AdamW and ``end_step`` of every microbatch. CPU: in-use bytes read after every
+    aten op -- the reading HiLoRe's scheduler plans its budget with (NOTE [ Tracked on CPU ] in
+    plan/metering.py), so "within budget" and the budget use one meter; CUDA: the device's
+    peak counter."""
     from ds_hilore.runtime.memory import PeakMeter
 
     run.model.zero_grad(set_to_none=True)

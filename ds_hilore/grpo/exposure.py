@@ -12,7 +12,7 @@ A sequence whose ω is exactly zero everywhere contributes nothing to any parame
 (causal attention never mixes sequences): it is *exact-zero* and its slices need no storage.
 
 Packed rows (several sequences in one row of T tokens, NOTE [ Packed sequences ] in
-ds_hilore/runtime/core.py): the sequences are the row's segments, token ranges [s_k, e_k);
+ds_hilore/runtime/packed.py): the sequences are the row's segments, token ranges [s_k, e_k);
 ``segment_exposure`` and ``zero_segments`` are ``slice_exposure`` and ``zero_rows`` per segment.
 """
 

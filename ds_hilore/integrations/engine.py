@@ -179,6 +179,8 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
         runtime.follow_script_checkpointing()
     if dist.is_initialized() and dist.get_world_size() > 1:
         runtime.collective = TorchDistCollective()
+    if runtime.policy is not None:  # NOTE [ Matched passes under ZeRO-3 ] in plan/calibrate.py
+        runtime.policy.passes.zero3_offload = getattr(engine.optimizer, "parameter_offload", None)
     engine.hilore = runtime
     engine.__class__ = _hilore_engine_class(type(engine))
     _check_budget(runtime, hilore_config)

@@ -7,6 +7,7 @@ sequence or recomputed (R), within a memory budget and a gradient-error budget.
     knapsack.py   the two-constraint multiple-choice knapsack (pure)
     allocate.py   a bucket's plan from its profile (pure)
     scheduler.py  the per-microbatch pipeline (NOTE [ One microbatch ])
+    metering.py   the scheduler's memory windows: GC's profiled peak, a plan's peak checked
 """
 
 from __future__ import annotations

@@ -4,12 +4,15 @@ NOTE [ Matched passes ]
 A pass re-runs a microbatch's forward with a given plan and takes the gradient of the decoder
 layers' trainable parameters with ``torch.autograd.grad`` from the gradient the training backward
 brought to the last HiLoRe layer's output: a separate graph, so ``.grad`` and DeepSpeed's
-reduction hooks are never touched, and the RNG is set to the microbatch's and restored after
-(``fork_rng``), so training's stream is unchanged. The exact gradient comes from an all-R pass
-(bitwise what no checkpointing gives). Passes run at the optimizer step, on the same steps on
-every rank (the decision depends only on state every rank shares). A calibration or ranking
-error is the max over ranks; the validated step's error is that of the gradient summed over
-ranks (NOTE [ The step's error over ranks ]).
+reduction hooks (post-accumulate-grad hooks, which ``autograd.grad`` does not run) are never
+touched, and the RNG is set to the microbatch's and restored after (``fork_rng``), so
+training's stream is unchanged. The exact gradient comes from an all-R pass (bitwise what no
+checkpointing gives). Passes run at the optimizer step, on the same steps on every rank (the
+decision depends only on state every rank shares). A calibration or ranking error is the max
+over ranks; the validated step's error is that of the gradient summed over ranks (NOTE [ The
+step's error over ranks ]). What a pass holds is bounded (NOTE [ What a pass holds ]); under
+ZeRO-3 passes gather parameters as training does and leave DeepSpeed's state as they found it
+(NOTE [ Matched passes under ZeRO-3 ]).
 
 * Calibration (the first ``calibration_microbatches`` planned microbatches): one group of units
   (kind x depth half, cycling) has a random half of its packable units in L; the measured error
@@ -20,38 +23,62 @@ ranks (NOTE [ The step's error over ranks ]).
 * Validation (every ``validation_interval`` steps): the plan every microbatch of the step really
   ran, after every downgrade; the error measured is the step's, |sum_r sum_m (g_m - g_m exact)| /
   |sum_r sum_m g_m exact| over the step's micro-steps m and ranks r (each microbatch's own, on
-  its rank, is reported too); an error above ``grad_error_tolerance`` tightens the risk budget. The step's microbatches are
-  kept for it (inputs, RNG state, the gradient at the last layer's output) until the step ends.
+  its rank, is reported too); an error above ``grad_error_tolerance`` tightens the risk budget.
+  The step's microbatches are kept for it (inputs, RNG state, the gradient at the last layer's
+  output) until the step ends.
 
 Both fit and measure the quantities of NOTE [ Risk in step units ] (risk.py): a calibration
 sample is s = e_m / sum_u eps_u E_{u,S_u} / M_m, the predicted risk of a ranking slice is
 s eps_u E_{u,S} / M_m (the measured e_m is relative to the microbatch's gradient).
 
-Under ZeRO-3 the parameters are partitioned outside their modules' forward and backward, so
-``autograd.grad`` on them is not available: passes are skipped (said once) and the risk model
-keeps its prior.
+NOTE [ What a pass holds ]
+A pass keeps no gradient it does not need: a hook on each parameter sees its gradient as the
+backward produces it and hands ``autograd.grad`` a zero-stride stand-in, so the exact pass
+holds the exact gradient and nothing else, and a planned pass is compared with it tensor by
+tensor as it arrives (its squared difference taken in fp64, one tensor at a time, and for
+validation added to the step's sums D and G, kept in fp32). So a calibration or ranking pass
+holds one gradient of the trainable decoder parameters, a validation three (exact, D, G),
+plus one tensor's fp64 copy -- never every tensor's exact, planned and fp64 copies at once.
+When even that would not fit what the memory budget leaves at the optimizer step (the budget,
+less what is in use then, less the pass's own activations, bounded above by GC's microbatch
+peak over its baseline plus what the plan keeps), the decoder layers are split into
+consecutive pieces that each fit, and every pass runs once per piece, taking the gradient of
+that piece's parameters only: each parameter's gradient comes out of the same ops whatever
+else the backward is asked for, so the squared norms, summed over pieces before the ratio,
+differ from one piece's by fp64 rounding only. A layer is the smallest piece (said once when
+even one does not fit). The spare memory is the min over ranks, so every rank runs the same
+pieces. ``stats["calibration"]`` reports the most ``pieces`` a pass needed and
+``pass_peak_bytes``, the highest in-use reading taken as gradients arrived (CUDA: the window's
+allocated peak).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import copy
 import dataclasses
 import logging
 import math
 import random
 import time
-from typing import Any
+from collections import UserDict
+from typing import Any, Callable
 
 import torch
 
 from ds_hilore.grpo import exposure
 from ds_hilore.plan.risk import group_of, share, spearman
+from ds_hilore.runtime.memory import DevicePeak, in_use_bytes
 
 logger = logging.getLogger("ds_hilore")
+
+_PASS_OWNER = -1  # NOTE [ Matched passes under ZeRO-3 ]: no module's ds_id (those count from 0)
 
 
 @dataclasses.dataclass
 class _Job:
-    kind: str  # "calibrate" | "validate"
+    kind: str  # "calibrate" | "validate" | "hold_out"
     args: tuple
     kwargs: dict
     rng: torch.Tensor
@@ -70,6 +97,10 @@ class MatchedPasses:
         self.running = False
         self.job: _Job | None = None
         self.seconds = 0.0  # what the passes cost so far
+        # DeepSpeed's ZeRO-3 parameter offload (``engine.optimizer.parameter_offload``), given by
+        # the engine integration: passes under ZeRO-3 gather through it (NOTE [ Matched passes
+        # under ZeRO-3 ]); a ZeRO-3 model attached without it gets no passes
+        self.zero3_offload = None
         self._zero3: bool | None = None  # parameters partitioned by ZeRO-3
         self._validated_step = -1
         self.dropped = 0  # passes whose exact gradient was not finite (NOTE [ Non-finite passes ])
@@ -77,6 +108,11 @@ class MatchedPasses:
         self.hold_out = False  # the next planned microbatch is held out for a ranking check
         self.ranking: dict | None = None  # the last ranking check (see ``rank_slices``)
         self.step_jobs: list[_Job] = []  # the validated step's microbatches, in order
+        self.pieces = 0  # the most pieces a pass ran in (NOTE [ What a pass holds ])
+        self.peak_bytes: int | None = None  # the highest in-use reading during passes
+        self._meter: DevicePeak | None = None  # CUDA: the window of the passes in progress
+        self._peak_now = 0  # CPU: the highest reading of the passes in progress
+        self._warned_pieces = False
 
     # ------------------------------------------------------------------ selection
     def begin_forward(self, args, kwargs, bucket) -> None:
@@ -121,14 +157,17 @@ class MatchedPasses:
                 job.executed[unit.name] = (action, states)
 
     def _supported(self) -> bool:
-        """False under ZeRO-3 (partitioned parameters); decided once, not per microbatch."""
+        """False under ZeRO-3 without DeepSpeed's parameter offload to gather through (a model
+        attached outside ``ds_hilore.initialize``); decided once, not per microbatch."""
         if self._zero3 is None:
             layers = self.scheduler.runtime._layers
             self._zero3 = any(hasattr(p, "ds_id") for layer in layers for p in layer.module.parameters())
-            if self._zero3:
-                logger.info("ds_hilore: matched passes (calibration, validation) are skipped under "
-                            "ZeRO-3; the risk model keeps its prior.")
-        return not self._zero3
+            if self._zero3 and self.zero3_offload is None:
+                logger.info("ds_hilore: matched passes (calibration, validation) are skipped: the "
+                            "parameters are ZeRO-3's, and the model was not attached through "
+                            "ds_hilore.initialize, which gives the passes DeepSpeed's gathers; "
+                            "the risk model keeps its prior.")
+        return not self._zero3 or self.zero3_offload is not None
 
     # ------------------------------------------------------------------ at the step
     def run(self) -> None:
@@ -137,22 +176,28 @@ class MatchedPasses:
         if job is None or job.grad is None:
             return
         begin = time.perf_counter()
+        self._open_meter()
+        try:
+            self._run(job, step_jobs)
+        finally:
+            self._close_meter()
+            self.seconds += time.perf_counter() - begin
+
+    def _run(self, job: _Job, step_jobs: list[_Job]) -> None:
         s = self.scheduler
-        exact = self._grads(job, "R", {})
         if job.kind == "hold_out":
-            self.ranking = self._rank_slices(job, exact)
+            self.ranking = self._rank_slices(job)
         elif job.kind == "calibrate":
             group, names, _ = self._calibration_subset(job.bucket)
             eps = _exposed_eps(job, names)
-            approx = self._grads(job, {n: ("L" if n in names else "R") for n in job.executed}, {})
-            error = self._agree(_rel_error(approx, exact))
+            actions = {n: ("L" if n in names else "R") for n in job.executed}
+            error = self._agree(self._errors(job, [(actions, {})])[0])
             if not self._measured(error, "calibration", finite=True):  # the next one again
-                self.seconds += time.perf_counter() - begin
                 return
             s.risk.add(group, error, eps)
             s.calibrated += 1
         else:
-            error = self._validate_step(step_jobs or [job], job, exact)
+            error = self._validate_step(step_jobs or [job])
             self._validated_step = s.steps
             self.revalidate = not self._measured(error, "validation")
             if self.revalidate:
@@ -163,34 +208,70 @@ class MatchedPasses:
                                "%.4f; the risk budget is tightened to %.4f.", error,
                                s.config.grad_error_tolerance, s._risk_budget())
         s.replan()
-        self.seconds += time.perf_counter() - begin
 
-    def _validate_step(self, jobs: list[_Job], last: _Job, last_exact: list[torch.Tensor]) -> float:
-        """The step's measured error over ``jobs`` (its microbatches; ``last``'s exact gradient
-        already taken) and every rank's (``step_error``); each microbatch's own error reported
-        too (this rank's)."""
+    def _errors(self, job: _Job, variants: list[tuple[Any, dict]]) -> list[float]:
+        """This rank's ||g - g_exact|| / ||g_exact|| of ``job`` under each variant (actions,
+        rows), piece by piece (NOTE [ What a pass holds ]); NaN / inf as ``_ratio``."""
+        num, den = [0.0] * len(variants), [0.0]
+        for piece in self._pieces(job, accumulators=False):
+            exact: dict[int, torch.Tensor] = {}
+
+            def keep(i, g):
+                exact[i] = g
+                den[0] += _squared(g)
+
+            self._pass(job, "R", {}, piece, keep)
+            for v, (actions, rows) in enumerate(variants):
+                seen: set[int] = set()
+
+                def compare(i, g, v=v, seen=seen):
+                    seen.add(i)
+                    num[v] += _squared(_minus(g, exact.get(i)))
+
+                self._pass(job, actions, rows, piece, compare)
+                num[v] += sum(_squared(e) for i, e in exact.items() if i not in seen)  # planned: 0
+            exact.clear()
+        return [_ratio(n, den[0]) for n in num]
+
+    def _validate_step(self, jobs: list[_Job]) -> float:
+        """The step's measured error over ``jobs`` (its microbatches) and every rank's
+        (NOTE [ The step's error over ranks ]); each microbatch's own error reported too (this
+        rank's). Per piece: D and G summed over the microbatches, then over ranks."""
         s = self.scheduler
-        diff = exact_sum = None
-        per_mb = []
-        for job in jobs:
-            exact = last_exact if job is last else self._grads(job, "R", {})
-            actions, rows = {}, {}
-            for name, (action, states) in job.executed.items():
-                actions[name] = "H" if action != "R" else "R"
-                if states is not None:  # elided rows are measured exactly (their gradient is 0)
-                    rows[name] = tuple("H" if x == "E" else x for x in states)
-            approx = self._grads(job, actions, rows)
-            per_mb.append(_rel_error(approx, exact))
-            delta = [a.double() - e.double() for a, e in zip(approx, exact)]
-            diff = delta if diff is None else [d + x for d, x in zip(diff, delta)]
-            exact_sum = [e.double() for e in exact] if exact_sum is None else \
-                [t + e.double() for t, e in zip(exact_sum, exact)]
-        error = self._agree(step_error(diff, exact_sum, s.runtime.collective))  # the same on every rank
+        num = den = 0.0
+        per_mb = [[0.0, 0.0] for _ in jobs]  # this rank's (||d_m||^2, ||g_m||^2)
+        for piece in self._pieces(jobs[-1], accumulators=True):
+            diff = [_accumulator(p) for p in piece]  # D, this rank's
+            total = [_accumulator(p) for p in piece]  # G, this rank's
+            for job, sums in zip(jobs, per_mb):
+                exact: dict[int, torch.Tensor] = {}
+
+                def keep(i, g, sums=sums):
+                    exact[i] = g
+                    total[i].add_(g)
+                    sums[1] += _squared(g)
+
+                def compare(i, g, sums=sums):
+                    d = _minus(g, exact.pop(i, None))
+                    sums[0] += _squared(d)
+                    diff[i].add_(d)
+
+                self._pass(job, "R", {}, piece, keep)
+                self._pass(job, *_as_executed(job), piece, compare)
+                for i, e in exact.items():  # no planned gradient: it is 0
+                    sums[0] += _squared(e)
+                    diff[i].sub_(e)
+                exact.clear()
+            n, d = _summed_norms(diff, total, s.runtime.collective)
+            num, den = num + n, den + d
+            diff.clear()  # freed before the next piece's are made
+            total.clear()
+        error = self._agree(_ratio(num, den))  # the same on every rank
         s.step_stats["grad_error_measured"] = error
-        s.step_stats["grad_error_measured_microbatch"] = per_mb
+        s.step_stats["grad_error_measured_microbatch"] = [_ratio(n, d) for n, d in per_mb]
         return error
 
-    def _rank_slices(self, job: _Job, exact: list[torch.Tensor]) -> dict:
+    def _rank_slices(self, job: _Job) -> dict:
         """How well the risk model ranks measured error on a held-out microbatch: for every
         packable unit and each half of the sequences (the less and the more exposed), the error
         of a pass with only that slice in L against the predicted risk; Spearman over slices.
@@ -201,7 +282,7 @@ class MatchedPasses:
         costs = {c.name: c for c in job.bucket.profile.units}
         n_layers = 1 + max(c.layer for c in costs.values())
         batch = job.grad.shape[0]
-        slices = []
+        candidates, variants = [], []
         mass = sum(job.mass) if job.mass else 0.0
         adv = job.predicted if job.predicted and len(job.predicted) == batch else None
         for name, cost in costs.items():
@@ -219,12 +300,15 @@ class MatchedPasses:
                 predicted = s.risk.risk(group, cost.rel_error, exposed)
                 by_advantage = s.risk.risk(group, cost.rel_error, share(adv, rows)) if adv else None
                 per_row = tuple("L" if i in rows else "H" for i in range(batch))
-                actions = {n: ("H" if n == name else "R") for n in job.executed}
-                measured = self._agree(_rel_error(self._grads(job, actions, {name: per_row}), exact))
-                if not self._measured(measured, "ranking"):  # NOTE [ Non-finite passes ]
-                    continue
-                slices.append({"unit": name, "rows": rows, "predicted": predicted, "measured": measured,
-                               "predicted_advantage": by_advantage})
+                variants.append(({n: ("H" if n == name else "R") for n in job.executed}, {name: per_row}))
+                candidates.append({"unit": name, "rows": rows, "predicted": predicted,
+                                   "predicted_advantage": by_advantage})
+        slices = []
+        for slice_, error in zip(candidates, self._errors(job, variants) if variants else []):
+            measured = self._agree(error)
+            if not self._measured(measured, "ranking"):  # NOTE [ Non-finite passes ]
+                continue
+            slices.append({**slice_, "measured": measured})
         measured = [x["measured"] for x in slices]
         rho = spearman([x["predicted"] for x in slices], measured) if len(slices) > 1 else None
         rho_adv = spearman([x["predicted_advantage"] for x in slices], measured) \
@@ -245,32 +329,154 @@ class MatchedPasses:
         chosen = random.Random(s.calibrated).sample(members, max(1, len(members) // 2))
         return group, {c.name for c in chosen}, sum(c.rel_error for c in chosen)
 
-    def _grads(self, job: _Job, actions, rows) -> list[torch.Tensor]:
+    # ------------------------------------------------------------------ one pass
+    def _pass(self, job: _Job, actions, rows, params: list[torch.Tensor],
+              on_grad: Callable[[int, torch.Tensor], None]) -> None:
+        """``job``'s microbatch under ``actions`` / ``rows``, and the backward from the last
+        layer's output to ``params``: ``on_grad(i, gradient of params[i])`` as each arrives,
+        none of them kept by the pass (NOTE [ What a pass holds ]). A parameter that gets no
+        gradient is never seen."""
         runtime = self.scheduler.runtime
         last = next(layer for layer in runtime._layers if layer.index == runtime._last_active)
-        params = [p for layer in runtime._layers for p in layer.module.parameters() if p.requires_grad]
         captured = {}
         handle = last.module.register_forward_hook(lambda m, a, out: captured.setdefault("h", out))
+        arrivals = [p.register_hook(self._arrival(i, on_grad)) for i, p in enumerate(params)]
         saved = (dict(runtime._plan), dict(runtime._rows), runtime._plan_source)
         devices = list(range(torch.cuda.device_count())) if job.cuda_rng is not None else []
         self.running = True
         try:
-            with torch.random.fork_rng(devices=devices), runtime.shadow():
+            with self._zero3_isolated(), torch.random.fork_rng(devices=devices), runtime.shadow():
                 torch.set_rng_state(job.rng)
                 for d, state in zip(devices, job.cuda_rng or []):
                     torch.cuda.set_rng_state(state, d)
                 runtime.apply_plan(actions, rows)
                 runtime.model(*job.args, **job.kwargs)
-                hidden = captured["h"]
+                hidden = captured.pop("h")
                 hidden = hidden if isinstance(hidden, torch.Tensor) else next(
                     x for x in hidden if isinstance(x, torch.Tensor))
-                grads = torch.autograd.grad(hidden, params, grad_outputs=job.grad, allow_unused=True)
+                torch.autograd.grad(hidden, params, grad_outputs=job.grad, allow_unused=True)
         finally:
             self.running = False
             handle.remove()
+            for arrival in arrivals:
+                arrival.remove()
             runtime._plan, runtime._rows, runtime._plan_source = saved
-        return [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
 
+    def _arrival(self, i: int, on_grad: Callable[[int, torch.Tensor], None]):
+        def arrived(grad: torch.Tensor) -> torch.Tensor:
+            on_grad(i, grad)
+            self._sample()
+            return grad.new_zeros(()).expand(grad.shape)  # what autograd.grad keeps: no bytes
+        return arrived
+
+    # ------------------------------------------------------------------ memory
+    def _layer_params(self) -> list[list[torch.Tensor]]:
+        """The trainable parameters of each decoder layer, in layer order, each once."""
+        seen: set[int] = set()
+        groups = []
+        for layer in self.scheduler.runtime._layers:
+            group = [p for p in layer.module.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in group)
+            groups.append(group)
+        return [g for g in groups if g]
+
+    def _pieces(self, job: _Job, accumulators: bool) -> list[list[torch.Tensor]]:
+        """Consecutive decoder layers' trainable parameters, in pieces whose gradients fit
+        what the budget leaves (NOTE [ What a pass holds ]); ``accumulators``: validation's D
+        and G are held too."""
+        groups = self._layer_params()
+        params = [p for g in groups for p in g]
+        if not params:
+            return []
+        transient = max(8 * _numel(p) + _numel(p) * p.element_size() for p in params)
+        need = [sum(_held_bytes(p, accumulators) for p in g) for g in groups]
+        spare = self._spare_bytes(job)
+        pieces, current, held = [], [], 0
+        for group, n in zip(groups, need):
+            if current and spare is not None and held + n + transient > spare:
+                pieces.append(current)
+                current, held = [], 0
+            current, held = current + group, held + n
+        pieces.append(current)
+        if spare is not None and max(need) + transient > spare and not self._warned_pieces:
+            self._warned_pieces = True
+            logger.info("ds_hilore: a matched pass holds %.1f MiB of gradients per decoder layer, "
+                        "more than the memory budget leaves at the optimizer step (%.1f MiB): its "
+                        "passes run layer by layer and may exceed the budget.",
+                        (max(need) + transient) / 2**20, spare / 2**20)
+        self.pieces = max(self.pieces, len(pieces))
+        return pieces
+
+    def _spare_bytes(self, job: _Job) -> int | None:
+        """What the budget leaves for a pass's gradients now, the min over ranks: the budget,
+        less what is in use, less the pass's own activations; None without a budget."""
+        bucket = job.bucket
+        if bucket.budget_bytes is None or bucket.profile is None:
+            return None
+        profile = bucket.profile
+        activations = max(0, profile.gc_peak_bytes - profile.baseline_bytes) + \
+            (bucket.plan.memory_bytes if bucket.plan is not None else 0)
+        spare = float(bucket.budget_bytes - in_use_bytes(self._device()) - activations)
+        collective = self.scheduler.runtime.collective
+        if collective is not None:
+            spare = -collective.all_reduce_max_float([-spare])[0]
+        return int(spare)
+
+    def _device(self) -> torch.device:
+        param = next((p for g in self._layer_params() for p in g), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def _open_meter(self) -> None:
+        device = self._device()
+        self._meter = DevicePeak(device) if device.type == "cuda" else None
+        self._peak_now = 0
+        self._sample()
+
+    def _sample(self) -> None:
+        if self._meter is not None:
+            self._meter.sample()
+        else:
+            self._peak_now = max(self._peak_now, in_use_bytes("cpu"))
+
+    def _close_meter(self) -> None:
+        peak = self._meter.close() if self._meter is not None else self._peak_now
+        self._meter = None
+        self.peak_bytes = max(self.peak_bytes or 0, peak)
+
+    # ------------------------------------------------------------------ ZeRO-3
+    @contextlib.contextmanager
+    def _zero3_isolated(self):
+        """NOTE [ Matched passes under ZeRO-3 ]."""
+        offload = self.zero3_offload if self._zero3 else None
+        if offload is None:
+            yield
+            return
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        model = self.scheduler.runtime.model
+        params = list(model.parameters())
+        modules = list(model.modules())
+        kept = [p.ds_status == ZeroParamStatus.AVAILABLE for p in params]
+        owners = [set(p.ds_active_sub_modules) for p in params]
+        counters = [_module_counters(m) for m in modules]
+        for p, resident in zip(params, kept):
+            if resident:  # never released by the pass's module hooks
+                p.ds_active_sub_modules.add(_PASS_OWNER)
+        coordinator = offload.param_coordinator
+        offload.param_coordinator = _fresh_coordinator(coordinator)
+        try:
+            yield
+        finally:
+            offload.param_coordinator = coordinator
+            for p, resident, owner in zip(params, kept, owners):
+                p.ds_active_sub_modules.clear()
+                if not resident and p.ds_status == ZeroParamStatus.AVAILABLE:
+                    p.partition()  # gathered for a backward whose release hook never ran
+                p.ds_active_sub_modules.update(owner)
+            for m, state in zip(modules, counters):
+                _restore_counters(m, state)
+
+    # ------------------------------------------------------------------ over ranks
     def _agree(self, error: float) -> float:
         """The max over ranks; NaN when any rank measured nothing, else inf when any rank's
         approximation was not finite (a max over NaN is not defined the same by every backend)."""
@@ -296,6 +502,17 @@ class MatchedPasses:
         return False
 
 
+def _as_executed(job: _Job) -> tuple[dict, dict]:
+    """(actions, rows) of the plan ``job``'s microbatch ran: packed units and rows as they were,
+    elided rows measured exactly (their gradient is 0)."""
+    actions, rows = {}, {}
+    for name, (action, states) in job.executed.items():
+        actions[name] = "H" if action != "R" else "R"
+        if states is not None:
+            rows[name] = tuple("H" if x == "E" else x for x in states)
+    return actions, rows
+
+
 def _exposed_eps(job: _Job, names) -> float:
     """sum_u eps_u E_{u,all} / M_m over the units packed whole (NOTE [ Risk in step units ]);
     a unit without token weights counts E_{u,all} = M_m."""
@@ -309,6 +526,44 @@ def _exposed_eps(job: _Job, names) -> float:
     return total
 
 
+# ---- tensors, one at a time ----------------------------------------------------------------
+def _numel(p: torch.Tensor) -> int:
+    return p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # ZeRO-3: the whole parameter's
+
+
+def _accumulator(p: torch.Tensor) -> torch.Tensor:
+    """A zero sum for ``p``'s gradients: its full shape, at least fp32."""
+    shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3: the whole parameter's
+    return torch.zeros(shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+
+
+def _held_bytes(p: torch.Tensor, accumulators: bool) -> int:
+    """What a pass holds for ``p``: its exact gradient, and D and G for validation."""
+    acc = torch.promote_types(p.dtype, torch.float32).itemsize if accumulators else 0
+    return _numel(p) * (p.element_size() + 2 * acc)
+
+
+def _minus(g: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+    """g - e in fp64, a new tensor (``g`` may share storage with other gradients)."""
+    d = g.to(torch.float64, copy=True)
+    return d if e is None else d.sub_(e)
+
+
+def _squared(t: torch.Tensor) -> float:
+    """||t||^2 in fp64 (one fp64 copy of ``t`` at most)."""
+    t = t if t.dtype == torch.float64 else t.double()
+    flat = t.reshape(-1)
+    return float(torch.dot(flat, flat))
+
+
+def _rel_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
+    """||g - g_exact|| / ||g_exact|| over every trainable parameter of the decoder layers
+    (NOTE [ Non-finite passes ]: NaN when the exact gradient is not finite)."""
+    num = sum(_squared(_minus(a, e)) for a, e in zip(approx, exact))
+    den = sum(_squared(e) for e in exact)
+    return _ratio(num, den)
+
+
 def step_error(diff: list[torch.Tensor], exact: list[torch.Tensor], collective) -> float:
     """||sum_r D_r|| / ||sum_r G_r||: the relative error of the step's gradient over ranks.
 
@@ -319,22 +574,27 @@ def step_error(diff: list[torch.Tensor], exact: list[torch.Tensor], collective) 
     of rank r's micro-steps. Neither the max of the ranks' own errors nor a sum of their
     squared norms is that: ||sum_r D_r||^2 = sum_r ||D_r||^2 + sum_{r != s} <D_r, D_s>, and
     the cross terms (errors that cancel or add up over ranks) need the vectors. So D and G
-    themselves are summed over ranks, tensor by tensor in fp64 (every rank holds the whole
-    decoder gradient here: passes do not run under ZeRO-3), and the norms taken after; every
-    rank then computes the same value. Validation runs every ``validation_interval`` steps,
-    so this all-reduce of one gradient (twice) is rare.
+    themselves are summed over ranks, tensor by tensor (every rank holds the whole gradient of
+    the parameters a pass measures, under ZeRO-3 too: a pass's gradients are full tensors, never
+    partitioned), and the norms taken after, in fp64, one tensor at a time; every rank then
+    computes the same value. With the passes in pieces (NOTE [ What a pass holds ]) each
+    piece's D and G are summed over ranks in turn and the squared norms add up over pieces.
+    Validation runs every ``validation_interval`` steps, so this all-reduce of one gradient
+    (twice) is rare.
 
     Args:
-        diff, exact: this rank's D and G, one fp64 tensor per parameter; summed in place.
+        diff, exact: this rank's D and G, one tensor per parameter; summed in place.
         collective: ``runtime.collective`` (None on one process): ``all_reduce_sum_tensor``
             (in place) where it has one, else its list form ``all_reduce_sum``.
     """
-    tensors = [*diff, *exact]
+    return _ratio(*_summed_norms(diff, exact, collective))
+
+
+def _summed_norms(diff: list[torch.Tensor], exact: list[torch.Tensor], collective) -> tuple[float, float]:
+    """(||sum_r D_r||^2, ||sum_r G_r||^2), D and G summed over ranks in place."""
     if collective is not None:
-        _sum_over_ranks(tensors, collective)
-    num = sum(float(d.pow(2).sum()) for d in diff)
-    den = sum(float(e.pow(2).sum()) for e in exact)
-    return _ratio(num, den)
+        _sum_over_ranks([*diff, *exact], collective)
+    return sum(_squared(d) for d in diff), sum(_squared(e) for e in exact)
 
 
 def _sum_over_ranks(tensors: list[torch.Tensor], collective) -> None:
@@ -350,14 +610,6 @@ def _sum_over_ranks(tensors: list[torch.Tensor], collective) -> None:
     for t in tensors:
         t.copy_(summed[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
-
-
-def _rel_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
-    """||g - g_exact|| / ||g_exact|| over every trainable parameter of the decoder layers
-    (NOTE [ Non-finite passes ]: NaN when the exact gradient is not finite)."""
-    num = sum(float((a.double() - e.double()).pow(2).sum()) for a, e in zip(approx, exact))
-    den = sum(float(e.double().pow(2).sum()) for e in exact)
-    return _ratio(num, den)
 
 
 # NOTE [ Non-finite passes ]
@@ -378,3 +630,57 @@ def _ratio(num: float, den: float) -> float:
     if den > 0:
         return (num / den) ** 0.5
     return 0.0 if num == 0 else math.inf
+
+
+# ---- ZeRO-3 ----------------------------------------------------------------------------------
+# NOTE [ Matched passes under ZeRO-3 ]
+# Under ZeRO-3 a parameter is a partition outside its module's forward and backward; DeepSpeed's
+# module hooks gather it before and release it after, also inside a pass's forward, its backward
+# and HiLoRe's recomputes there. So a pass uses the engine's own gathers: ``autograd.grad``
+# returns the full gradient of each parameter (the backward runs while the hooks hold it
+# gathered), on every rank, for that rank's microbatch -- what ZeRO-2 passes get. What the pass
+# must not change is the state the training step leaves:
+# * the coordinator's trace (NOTE [ ZeRO-3's trace and persistent parameters ] in
+#   integrations/engine.py): a pass's fetch order is not training's, and the coordinator
+#   compares every forward with its trace. While a pass runs, the offload's coordinator is a
+#   fresh one (a copy with empty containers and an invalid trace, so it records and never
+#   prefetches); training's coordinator, its trace and fetch queue are not touched at all.
+# * parameter status: parameters gathered before the pass (persistent ones, or any the script
+#   gathered) are marked owned by a module id no module has, so no hook releases them; the others
+#   are released by the hooks after their forward and backward, and any left gathered (a module
+#   whose post-backward hook never fired: the backward stops at the decoder's parameters) are
+#   partitioned after; each parameter's ``ds_active_sub_modules`` and each module's backward
+#   counters are then set back to what they were.
+# * gradients: ``autograd.grad`` runs no post-accumulate-grad hook, so DeepSpeed's reduction
+#   and its gradient partitions, and ``.grad``, are untouched.
+# Every rank runs the same passes with the same plans, so its gathers pair up. A model attached
+# to ZeRO-3 parameters without the engine integration (no offload given) gets no passes.
+def _fresh_coordinator(coordinator):
+    """A copy of DeepSpeed's ZeRO-3 parameter coordinator with empty containers (its own
+    in-flight registry, fetch queue, trace) and an invalid trace (it records, never prefetches)."""
+    fresh = copy.copy(coordinator)
+    for name, value in vars(coordinator).items():
+        if isinstance(value, (list, dict, set, collections.deque, UserDict)):
+            value = copy.copy(value)
+            value.clear()
+            setattr(fresh, name, value)
+        elif isinstance(value, tuple):  # a completed trace
+            setattr(fresh, name, [])
+    if not fresh.is_invalid_trace():
+        fresh._invalidate_trace()
+    return fresh
+
+
+_MODULE_COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining", "ds_recompute_parameters")
+
+
+def _module_counters(module) -> dict:
+    return {k: copy.copy(module.__dict__[k]) for k in _MODULE_COUNTERS if k in module.__dict__}
+
+
+def _restore_counters(module, state: dict) -> None:
+    for k in _MODULE_COUNTERS:
+        if k in state:
+            module.__dict__[k] = state[k]
+        else:
+            module.__dict__.pop(k, None)

@@ -21,6 +21,10 @@ feasible in the real problem is feasible there, so that relaxation's optimum is 
 on the real optimum; ``Solution.bound`` is the gap between the two, and the real optimum lies in
 ``[utility, utility + bound]``. When every cost is a whole number of bins (e.g. a memory budget
 of at most ``memory_bins`` bytes) both roundings agree, the DP is exact and ``bound`` is 0.
+When the relaxation's optimum fits the real budgets (checked in exact arithmetic), it reaches
+that upper bound: it is the real optimum, and it is returned, with ``bound`` 0. This recovers
+what rounding up loses where the budget is nearly spent, e.g. a risk budget of 0.015 in 64
+bins and six packed units of 0.00246 each (11 bins rounded up, 66 > 64; 0.01476 exactly).
 
 Example::
 
@@ -93,7 +97,8 @@ def solve(groups: Sequence[Sequence[Option]], memory_budget: int, risk_budget: f
     within ``1e-12`` of the largest possible total, the lower total risk wins, then the lower
     total memory, then the lexicographically smallest ``choice``. Runs in
     ``O(groups * options * memory_bins * risk_bins)``, twice when the bins are not exact (once
-    more with costs rounded down, to compute ``bound``).
+    more with costs rounded down, to compute ``bound``; that relaxation's choice is returned
+    instead when it fits the real budgets: then it is the exact optimum).
 
     Args:
         groups: One sequence of :class:`Option` per group; each must contain an option with
@@ -139,6 +144,8 @@ def solve(groups: Sequence[Sequence[Option]], memory_budget: int, risk_budget: f
     if down == up:  # every cost is a whole number of bins: the DP above was exact
         return best
     relaxed = _solution(groups, _dp(groups, down, n_mem, n_risk, tol), bound=0.0)
+    if _fits(groups, relaxed.choice, memory_budget, risk_budget):
+        return relaxed  # an upper bound of the real optimum that fits is the real optimum
     return Solution(best.choice, best.utility, best.memory, best.risk,
                     bound=max(0.0, relaxed.utility - best.utility))
 
@@ -300,6 +307,14 @@ def _dp_order_sum(values: Sequence[float]) -> float:
     for v in reversed(values):
         total = v + total
     return total
+
+
+def _fits(groups: list[list[Option]], choice: tuple[int, ...], memory_budget: int,
+          risk_budget: float) -> bool:
+    """Whether ``choice`` fits both budgets in exact arithmetic (as ``brute_force`` checks)."""
+    picked = [g[i] for g, i in zip(groups, choice)]
+    return sum(int(o.memory) for o in picked) <= memory_budget and \
+        _risk_fits([o.risk for o in picked], risk_budget)
 
 
 def _risk_fits(risks: Sequence[float], risk_budget: float) -> bool:

@@ -18,10 +18,11 @@ needs more memory than GC on a shape it has not measured. While they run:
   pointwise op that re-derives them, which H and L both pay in the backward, and the bytes they
   would hold if kept (a plan storing every unit whole keeps them when those fit: ``derives``);
 * fast-forward bytes: what a layer keeps of its first unit when only a later unit is recomputed;
-* GC's peak: the whole process, measured around the microbatch (
-  ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's in-use bytes sampled at every
-  unit boundary of the forward, every re-created tensor of the backward and the start and end of
-  the backward -- no dispatch mode stays installed across the user's code).
+* GC's peak: the whole process, measured around the microbatch, forward, loss and backward
+  (``torch.cuda.max_memory_allocated`` on CUDA; on CPU read after every aten op, NOTE [ Tracked
+  on CPU ] in plan/metering.py), the max over the profiled microbatches. The trials above
+  (packing, unpacking, re-deriving a tensor once more) are measurement only: the CPU reading
+  pauses while they run (``_Sample.tracker``), and the profile's clock stops while it reads.
 
 The first profiled microbatch of a bucket warms up (codec compilation, allocator); the plan uses
 the median over the rest. Nothing is derived from FLOPs: on a CPU a codec can cost more than the
@@ -30,8 +31,8 @@ recompute it saves, and must then lose.
 NOTE [ Non-finite tensors ]
 Some saved tensors hold infinities by design: with a padding mask, SDPA saves an additive
 (B, 1, T, T) mask of 0 and -inf. The codec cannot pack them (its per-row scale would be inf),
-and the runtime learns that only when it reads the microbatch's checks at the start of the
-backward (NOTE [ One read per microbatch ] in runtime/storage.py): the unit then pays the pack
+and the runtime learns that only when it reads the microbatch's checks after the forward
+(NOTE [ One read per microbatch ] in runtime/storage.py): the unit then pays the pack
 and the recompute. It cannot keep just that tensor whole instead -- which tensor it is shows
 only on the device, and reading it per tensor in the forward is what the deferred checks avoid.
 So a unit in which the profile met a non-finite packable tensor is excluded from L (its L bytes
@@ -48,6 +49,8 @@ with its Python costs and the other without:
   it (``Microbatch.weight_ref``: every action recognizes the weights a unit saves in the
   forward; the re-run does not), timed on the host (the cast's proof is deferred, NOTE
   [ One read per microbatch ] in runtime/storage.py), so no synchronize is added inside it;
+  on CPU the clock also stops while the memory tracker reads (what is left of its cost is a
+  Python dispatch per op, NOTE [ Tracked on CPU ] in plan/metering.py);
 * H and L pay, per saved tensor, the derivable check (NOTE [ Derived tensors ]) and, once
   per unit, the token norms of its input (exposure's token weights, ``input_norms``), timed
   in the profiled backward as the capture is (the norms on the layer's input: the same op on
@@ -60,6 +63,7 @@ with its Python costs and the other without:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -145,14 +149,16 @@ class _Sample:
         self._normed: set[tuple[int, int]] = set()  # (frame, unit) whose token norms were timed
         self.overhead_s = 0.0  # seconds spent measuring (not part of any unit's cost)
         self.peak_bytes = 0  # CPU: in-use bytes sampled at every layer boundary, both ways
+        self.tracker = None  # CPU: the op-level window reading this microbatch (memory.PeakTracker)
 
     def sample_memory(self) -> None:
         self.peak_bytes = max(self.peak_bytes, in_use_bytes(self.device))
 
     def now(self, device: torch.device) -> float:
+        """Seconds; on CPU less those the memory tracker spent reading (NOTE [ Timed the same way ])."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return self.clock()
+        return self.clock() - (self.tracker.spent_s if self.tracker is not None else 0.0)
 
     def unit_time(self, unit, seconds: float) -> None:
         self.costs[unit.name].recompute_s += seconds
@@ -176,6 +182,11 @@ class _Sample:
             return
         self._seen.add(key)
         self.sample_memory()
+        with self.tracker.paused() if self.tracker is not None else contextlib.nullcontext():
+            self._measure_tensor(frame, pos, t, derived, begin)
+
+    def _measure_tensor(self, frame, pos: int, t: torch.Tensor, derived, begin: float) -> None:
+        """``saved_tensor``'s trials: measurement only, none of it GC's memory."""
         unit = frame.layer.units[pos]
         cost = self.costs[unit.name]
         cost.rows, cost.sliceable = frame.batch, frame.sliceable

@@ -554,4 +554,12 @@ def _check_input(x: torch.Tensor) -> None:
 
 
 def _dispatch_mode_active() -> bool:
-    return torch._C._len_torch_dispatch_stack() > 0
+    """A dispatch mode torch.compile does not ignore is on: a compiled frame first met under it
+    would run eagerly and be skipped for good. HiLoRe's own memory readers are ignored by
+    torch.compile (``ignore_compile_internals``, NOTE [ Tracked windows ] in runtime/memory.py)."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not all(getattr(type(m), "ignore_compile_internals", lambda: False)()
+                   for m in _get_current_dispatch_mode_stack())

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ds_hilore._errors import HiLoReError, HiLoReNameError
-from ds_hilore.runtime.bundle import (
+from ds_hilore.runtime.replay import (
     Replay,
     RngState,
     autocast_state,

@@ -18,19 +18,23 @@ states (a read per layer and, under several ranks, an all-reduce per layer, in t
 only); gradient entering through internal outputs
 (router logits, attentions) turns elision off for those layers at the forward. Anything else
 (a user hook keeping an intermediate hidden state for its own loss) is caught by flags
-collected on the device at every layer and read once when the backward ends: an error, before
-the optimizer can step on a wrong gradient.
+collected on the device at every layer, folded into one when the backward ends and read with
+the runtime's next read, or before any optimizer steps (NOTE [ Two reads per microbatch ] in
+reads.py): an error, before the optimizer can step on a wrong gradient.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
 from ds_hilore._errors import HiLoReError
 from ds_hilore.grpo import exposure
+from ds_hilore.runtime.reads import read_once
 
 logger = logging.getLogger("ds_hilore")
 
@@ -41,64 +45,77 @@ class Elision:
     def __init__(self, runtime):
         self.runtime = runtime
         self._warned = False
+        self._late: torch.Tensor | None = None  # () bool: a late leak since the last read
 
     # ------------------------------------------------------------------ coefficients known
     def apply(self, mb, coefficients: torch.Tensor, offset, source: str) -> None:
-        """Exposure per unit and sequence, and elision of the sequences whose ω is zero."""
+        """Exposure per unit and sequence, and elision of the sequences whose ω is zero; the
+        forward's deferred checks and earlier backwards' late flags decided with them: one read
+        and one all-reduce for all (NOTE [ Two reads per microbatch ] in reads.py)."""
         frames = mb.live_frames()
         if not frames:
             return
-        collective = self.runtime.collective
         abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
-        segments = mb.segments if abs_omega.shape[0] == 1 else None  # NOTE [ Packed sequences ]
-        if segments is not None:
-            zero = exposure.zero_segments(abs_omega, segments)
-            every = len(segments)
-            if len(zero) < every and not all(f.segments_independent for f in frames):
-                zero = _trailing(zero, every)  # segments see earlier ones: only a zero tail
-        else:
-            zero = exposure.zero_rows(abs_omega)
-            every = abs_omega.shape[0]
+        # NOTE [ Packed sequences ] (packed.py)
+        segments = mb.segments if abs_omega.shape[0] == 1 else None
+        every = len(segments) if segments is not None else abs_omega.shape[0]
+        mass = exposure.row_mass(abs_omega, segments)  # (B,) or (K,): 0 exactly where ω ≡ 0
+        unit_exposure = _unit_exposure(frames, abs_omega, coefficients.shape[1], offset, segments)
+        checks, held = mb.take_checks()
+        read = read_once([mass, held, self._take_late(), *unit_exposure.values()])  # the one read
+        mass_read, held, late = read[:3]
+        zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
+        if segments is not None and len(zero) < every and \
+                not all(f.segments_independent for f in frames):
+            zero = _trailing(zero, every)  # segments see earlier ones: only a zero tail
         all_zero = len(zero) == every and all(f.elision_ok for f in frames)
         policy = self.runtime.policy  # NOTE [ Exact zeros ]: copies only where memory is short
         keep = 0 < len(zero) < every and policy is not None and policy.keeps_whole(mb)
         mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
         # NOTE [ Collective elision ]: one all-reduce decides, for every rank, whether all
-        # sequences are zero and which units saw a capture-time elision disproved
-        all_zero, to_r = _agree(self.runtime, frames, all_zero, lambda frame, every_zero: _verified(
-            frame, every_zero, zero, segments, source))
+        # sequences are zero, which units saw a capture-time elision disproved or a check
+        # failed, and whether an earlier backward leaked
+        all_zero, to_r, failed, leaked = _agree(
+            self.runtime, frames, all_zero, lambda frame, every_zero: _verified(
+                frame, every_zero, zero, segments, source),
+            mb.check_failures(checks, held), any(v != 0 for v in late))
+        if leaked:
+            raise _late_error()
+        mb.fall_back(checks, failed)
         for frame in frames:
-            frame.skip_zero_recompute = all_zero and source == "analytic"
-            # the same on every rank (plans are synced): whether the backward checks, and so
-            # whether it takes part in the collective decision there
-            frame.elision_checked = frame.elision_ok and (
-                frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
-            _to_r(frame, to_r)
-            if frame.segments != segments:  # a call without the microbatch's segments
-                frame.elision_checked = frame.elision_checked and all_zero and frame.sequences == 1
-                frame.elided_rows = {0} if frame.elision_checked else set()
-                rows_zero = sorted(frame.elided_rows)
-            else:
-                # checked as elided even when kept in place: rows elided at capture (``expect``)
-                # are among them, and the check must cover every row that may be
-                frame.elided_rows = set(zero) if frame.elision_checked else set()
-                rows_zero = [] if keep else zero
-            for pos, unit in enumerate(frame.layer.units):
-                if frame.plan.actions[pos] == "R":
-                    continue
-                if rows_zero and frame.elision_checked:
-                    frame.downgrade(pos, "E", rows_zero)
-                norms = frame.units[pos].token_norms
-                if norms is not None and norms.shape == abs_omega.shape:
-                    covered = exposure.window(abs_omega, coefficients.shape[1], offset)
-                    weights = exposure.token_weights(norms, covered)
-                    mb.exposure[unit.name] = (
-                        exposure.segment_exposure(abs_omega, weights, segments)
-                        if segments is not None and frame.segments == segments
-                        else exposure.slice_exposure(abs_omega, weights))
+            self._elide(frame, to_r, all_zero, source, zero, segments, keep)
+        kept = {u.name for f in frames for u, a in zip(f.layer.units, f.plan.actions) if a != "R"}
+        exposed = {name: values for name, values in zip(unit_exposure, read[3:]) if name in kept}
+        mb.exposure.update({name: unit_exposure[name] for name in exposed})
+        mb.exposure_read = (mass_read, {name: values for name, values in exposed.items()
+                                        if len(values) == len(mass_read)})
         if self.runtime.policy is not None:  # the allocator spends the risk budget now
             self.runtime.policy.after_coefficients(mb)
         self.runtime._summarise(mb)
+
+    @staticmethod
+    def _elide(frame, to_r: set[str], all_zero: bool, source: str, zero: list[int], segments,
+               keep: bool) -> None:
+        """One frame after the ranks agreed: its disproved units to R, its zero sequences E."""
+        frame.skip_zero_recompute = all_zero and source == "analytic"
+        # the same on every rank (plans are synced): whether the backward checks, and so
+        # whether it takes part in the collective decision there
+        frame.elision_checked = frame.elision_ok and (
+            frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
+        _to_r(frame, to_r)
+        if frame.segments != segments:  # a call without the microbatch's segments
+            frame.elision_checked = frame.elision_checked and all_zero and frame.sequences == 1
+            frame.elided_rows = {0} if frame.elision_checked else set()
+            rows_zero = sorted(frame.elided_rows)
+        else:
+            # checked as elided even when kept in place: rows elided at capture (``expect``)
+            # are among them, and the check must cover every row that may be
+            frame.elided_rows = set(zero) if frame.elision_checked else set()
+            rows_zero = [] if keep else zero
+        if rows_zero and frame.elision_checked:
+            for pos, action in enumerate(frame.plan.actions):
+                if action != "R":
+                    frame.downgrade(pos, "E", rows_zero)
 
     def _on_hidden_grad(self, mb, grad: torch.Tensor) -> None:
         """Automatic exposure source: fires after the LM-head backward, before any layer's."""
@@ -127,7 +144,7 @@ class Elision:
             leak = bool(rows) and bool(_at(grad.detach(), frame, rows).abs().amax() > 0)
             if self._decide(leak, collective=True):
                 self._fall_back([frame])
-        elif rows:  # a leak here is an error at the end of the backward, on any rank
+        elif rows:  # a leak here is an error before the next step, on any rank (``_defer_late``)
             mb.late_leaks.append(_at(grad.detach(), frame, rows).abs().amax() > 0)
 
     def _check_at_top(self, mb, grad: torch.Tensor) -> None:
@@ -139,12 +156,12 @@ class Elision:
         leak = _at(grad.detach(), packed, rows).abs().amax() > 0 if rows else None  # () bool
         if mb.settled:
             leaks = self._decide(leak is not None and bool(leak), collective=True)
-        else:  # read and agreed on with the deferred checks: NOTE [ One sync at the top of the
+        else:  # read and agreed on with the checks left: NOTE [ One sync at the top of the
             leaks = self._decide(mb.settle(leak), collective=False)  # backward ] in microbatch.py
         if leaks:
             self._fall_back(frames)
         elif any(f.elided_rows for f in frames):
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._late_check(mb))
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._defer_late(mb))
 
     def _decide(self, leaks: bool, collective: bool) -> bool:
         if collective and self.runtime.collective is not None:  # one decision for all ranks
@@ -165,16 +182,69 @@ class Elision:
                 if action != "R":
                     frame.downgrade(pos, "R")
 
-    @staticmethod
-    def _late_check(mb) -> None:
+    # ------------------------------------------------------------------ late flags
+    def _defer_late(self, mb) -> None:
+        """The end of a backward: its per-layer flags folded into one, on the device, read with
+        the next read or before the next optimizer step (NOTE [ Two reads per microbatch ])."""
         leaks, mb.late_leaks = mb.late_leaks, []
-        if leaks and bool(torch.stack(leaks).any()):
-            raise HiLoReError(
-                "gradient reached sequences whose loss coefficients are zero through an "
-                "intermediate layer's hidden state (a loss on it that transformers did not "
-                "record); their activations had been elided, so this backward's gradients are "
-                "wrong and the step must not be taken. Compute that loss from "
-                "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss.")
+        if not leaks:
+            return
+        flag = torch.stack(leaks).any()
+        self._late = flag if self._late is None else self._late | flag
+        _LATE.add(self)
+        _watch_optimizers()
+
+    def _take_late(self) -> torch.Tensor | None:
+        late, self._late = self._late, None
+        _LATE.discard(self)
+        return late
+
+    def flush_late(self) -> None:
+        """Read the late flags now (one read, if any are left); raises if one is set."""
+        late = self._take_late()
+        if late is not None and bool(late):
+            raise _late_error()
+
+
+_LATE: "weakref.WeakSet[Elision]" = weakref.WeakSet()  # those holding late flags not read yet
+_OPTIMIZER_HOOK: list = []  # the handle of the step pre-hook, once registered
+
+
+def _watch_optimizers() -> None:
+    """Every torch optimizer reads the late flags before it steps (one hook per process)."""
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    for elision in list(_LATE):
+        elision.flush_late()
+
+
+def _late_error() -> HiLoReError:
+    return HiLoReError(
+        "gradient reached sequences whose loss coefficients are zero through an intermediate "
+        "layer's hidden state (a loss on it that transformers did not record); their "
+        "activations had been elided, so the gradients accumulated since the last optimizer "
+        "step are wrong and no step may use them. Compute that loss from "
+        "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss.")
+
+
+def _unit_exposure(frames, abs_omega: torch.Tensor, cols: int, offset, segments) -> dict:
+    """E_{u,i} on the device of every unit kept (H/L) with token norms: unit name -> (B,), or
+    (K,) per segment of a packed row for the calls that have the microbatch's segments."""
+    covered = exposure.window(abs_omega, cols, offset)
+    out = {}
+    for frame in frames:
+        for pos, unit in enumerate(frame.layer.units):
+            norms = frame.units[pos].token_norms
+            if frame.plan.actions[pos] == "R" or norms is None or norms.shape != abs_omega.shape:
+                continue
+            weights = exposure.token_weights(norms, covered)
+            out[unit.name] = (exposure.segment_exposure(abs_omega, weights, segments)
+                              if segments is not None and frame.segments == segments
+                              else exposure.slice_exposure(abs_omega, weights))
+    return out
 
 
 def _trailing(zero: list[int], count: int) -> list[int]:
@@ -220,17 +290,24 @@ def unverified_rows_to_r(runtime, frames, zero_of) -> None:
 # to R, and every rank recomputes the union. Recomputing a unit whose elision held on this
 # rank is exact (its inputs are always kept), only slower. The same all-reduce carries
 # whether every sequence of every rank is zero; both candidate flag sets ride along (the
-# frames called without the microbatch's segments elide depending on that answer), so one
-# all-reduce per microbatch decides everything.
-def _agree(runtime, frames, all_zero: bool, verified) -> tuple[bool, set[str]]:
-    """(every rank's sequences all zero, names of the units to recompute on every rank)."""
+# frames called without the microbatch's segments elide depending on that answer), and so
+# do the unit flags of the forward's failed checks (NOTE [ Collective fallback ] in
+# microbatch.py) and the late flag of earlier backwards (an error on every rank at once), all
+# read in the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at
+# the coefficients decides everything there.
+def _agree(runtime, frames, all_zero: bool, verified, failed: list[int],
+           late: bool) -> tuple[bool, set[str], list[int], bool]:
+    """(every rank's sequences all zero, names of the units to recompute on every rank, unit
+    flags of a failed check on any rank, a late leak on any rank)."""
     if_all = _unverified(runtime, frames, lambda f: verified(f, True))
     if_not = _unverified(runtime, frames, lambda f: verified(f, False))
     if runtime.collective is not None:
-        agreed = runtime.collective.all_reduce_max([0 if all_zero else 1, *if_all, *if_not])
-        all_zero, n = agreed[0] == 0, len(if_all)
-        if_all, if_not = agreed[1:1 + n], agreed[1 + n:]
-    return all_zero, _flagged(runtime, if_all if all_zero else if_not)
+        n = len(if_all)
+        agreed = runtime.collective.all_reduce_max([0 if all_zero else 1, *if_all, *if_not,
+                                                    *failed, int(late)])
+        all_zero, late = agreed[0] == 0, agreed[-1] > 0
+        if_all, if_not, failed = agreed[1:1 + n], agreed[1 + n:1 + 2 * n], agreed[1 + 2 * n:-1]
+    return all_zero, _flagged(runtime, if_all if all_zero else if_not), failed, late
 
 
 def _verified(frame, every_zero: bool, zero: list[int], segments, source: str) -> set[int]:

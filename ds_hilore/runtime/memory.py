@@ -4,6 +4,9 @@
   CPU: glibc's ``mallinfo2()``, in-use = ``uordblks + hblkhd`` (heap chunks in use plus
   mmapped chunks), which is where torch's CPU allocator gets its memory.
 * ``PeakMeter`` -- the peak of ``in_use_bytes`` over a ``with`` block, forward and backward.
+* ``PeakTracker`` -- CPU: the same reading over a window opened and closed by calls (from a
+  forward to past its backward), which can freeze its peak, pause, and leave bytes out
+  (NOTE [ Tracked windows ]).
 * ``DevicePeak`` -- CUDA: the peak of allocated (and reserved) bytes over a window, read
   without resetting the device's peak counters (NOTE [ Shared peak counters ]).
 * ``live_storage_bytes(tensors)`` -- exact bytes held by a set of tensors (shared storage once).
@@ -19,17 +22,23 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
-from typing import Iterable
+import os
+import sys
+import threading
+import time
+from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_hilore._errors import HiLoReError, bug
 
-__all__ = ["DevicePeak", "LiveStorages", "PeakMeter", "in_use_bytes", "live_storage_bytes"]
+__all__ = ["DevicePeak", "LiveStorages", "PeakMeter", "PeakTracker", "in_use_bytes",
+           "live_storage_bytes"]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -97,11 +106,18 @@ def live_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 class _SampleAfterEachOp(TorchDispatchMode):
-    """Samples the meter after every aten op run on this thread (backward included)."""
+    """Samples the meter after every aten op run on this thread (backward included).
 
-    def __init__(self, meter: PeakMeter | None):
+    torch.compile ignores this mode (NOTE [ Tracked windows ]): compiled code runs compiled
+    under it, and the aten ops its graphs dispatch are sampled like any other."""
+
+    def __init__(self, meter: PeakMeter | PeakTracker | None):
         super().__init__()
         self._meter = meter
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -129,8 +145,10 @@ class PeakMeter:
     CPU: a ``TorchDispatchMode`` reads ``mallinfo2()`` after every aten op on this thread,
     forward and backward (the autograd engine runs CPU backward on the calling thread); the
     peak reached inside a single op (its private temporaries) is not seen. Nothing hooks
-    modules or parameters, so frozen parameters (LoRA) are fine. torch.compile'd functions
-    run eagerly while a dispatch mode is active, so compiled regions are measured as eager.
+    modules or parameters, so frozen parameters (LoRA) are fine. torch.compile'd code runs
+    compiled under it: the aten ops of its graphs are read, the private buffers of a fused
+    (inductor) kernel are not (NOTE [ Tracked windows ]). Each reading costs a Python dispatch
+    (~7 us) and a ``mallinfo2`` (2 us to over 100 us: it walks the heap's free chunks).
     CUDA: ``torch.cuda.max_memory_allocated`` (the meter resets the device's peak counter).
 
     Attributes (bytes): ``start_bytes`` in use on entry, ``peak_bytes`` the highest sample,
@@ -188,6 +206,180 @@ class PeakMeter:
     def __repr__(self) -> str:
         return (f"PeakMeter({self.device}, start={self.start_bytes}, peak={self.peak_bytes}, "
                 f"peak_delta={self.peak_delta})")
+
+
+# NOTE [ Tracked windows ]
+# An op-level reader on CPU is a ``TorchDispatchMode`` on the thread's dispatch-mode stack,
+# and that stack is LIFO: a mode's ``__exit__`` pops whatever mode is on top. A window opened
+# and closed by calls (the scheduler's: from a microbatch's forward to the next forward or the
+# optimizer step, NOTE [ Tracked on CPU ] in plan/metering.py) outlives ``with`` blocks opened
+# and closed inside it (a ``PeakMeter`` or a ``FlopCounterMode`` around one microbatch). So a
+# ``PeakTracker`` puts its mode at the bottom of the stack -- every mode pushed before or after
+# it is still the one its own exit pops -- and removes it from wherever it is. Both happen
+# only outside a backward: the autograd engine gives the thread back the stack it had when
+# the backward began, so a mode removed in the backward (an end-of-backward callback) comes
+# back. Its peak can be frozen there instead (``freeze``), and the mode, which then only
+# returns, is removed later: by its owner's ``close()``, or by the next tracker opened on the
+# thread, which takes off every frozen one (a window whose owner went away without closing
+# it does not stay on for good). Nothing is done either while an infra mode (fake tensors,
+# proxy, functionalization: torch's own tracing) is on -- it shares the stack's bookkeeping -- or
+# inside a torch.compile'd call (a compiled whole model calling a hook): its wrapper puts back
+# the dispatch keys it began with when it returns, so a mode pushed there would go unread
+# after it, and one removed there would leave torch dispatching to an empty stack.
+# The mode is pushed without ``TorchDispatchMode.__enter__``, whose flags assume LIFO exits,
+# and tells torch.compile to ignore it (``ignore_compile_internals``): a compiled frame called
+# under a plain mode runs eagerly and, from then on, never compiled again (measured with torch
+# 2.13) -- a window around a microbatch would un-compile the model's compiled parts for the
+# rest of the run.
+
+def _infra_modes_on() -> bool:
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
+
+
+def _in_compiled_call() -> bool:
+    """A torch.compile'd (or dynamo-disabled) call is on this thread's Python stack."""
+    if "torch._dynamo.eval_frame" not in sys.modules:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_fn" and code.co_filename.endswith(_EVAL_FRAME):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _stack_can_change() -> bool:
+    """NOTE [ Tracked windows ]: where a mode may be pushed or removed out of LIFO order."""
+    return not (_in_backward() or _infra_modes_on() or _in_compiled_call())
+
+
+def _push_at_bottom(mode: TorchDispatchMode) -> None:
+    above = [torch._C._pop_torch_dispatch_stack(None) for _ in range(torch._C._len_torch_dispatch_stack())]
+    torch._C._push_on_torch_dispatch_stack(mode)
+    for other in reversed(above):  # popped top first
+        torch._C._push_on_torch_dispatch_stack(other)
+
+
+def _remove_mode(mode: TorchDispatchMode) -> None:
+    above = []
+    while torch._C._len_torch_dispatch_stack():
+        top = torch._C._pop_torch_dispatch_stack(None)
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_dispatch_stack(other)
+
+
+_OPEN: list["PeakTracker"] = []  # trackers whose mode is on a thread's stack
+
+
+class PeakTracker:
+    """CPU: the peak of ``in_use_bytes`` over a window opened and closed by calls, read after
+    every aten op on this thread as ``PeakMeter`` reads it (NOTE [ Tracked windows ]).
+
+    ``open()`` and ``close()`` act only where the thread's mode stack may change (they return
+    False otherwise: inside a backward, while torch traces, inside a compiled call);
+    ``freeze()`` ends the peak where the window's work ends (e.g. an end-of-backward
+    callback), the mode staying on until ``close()``; ``paused()`` keeps a block out of the
+    readings (what is still held after it counts from the next op); ``exclude(n)`` leaves n
+    bytes, held from now to the window's end, out of every later reading.
+
+    Attributes (bytes): ``start_bytes`` in use at ``open()``, ``peak_bytes`` the highest reading
+    (less what was excluded), ``samples`` the number of readings; ``spent_s`` the seconds the
+    readings took (a clock can leave them out).
+
+    Example::
+
+        tracker = PeakTracker()
+        tracker.open()
+        loss = model(x).sum()
+        loss.backward()
+        peak = tracker.freeze()
+        tracker.close()
+    """
+
+    def __init__(self, device="cpu"):
+        self.device = _device(device)
+        if self.device.type != "cpu":
+            raise bug(f"PeakTracker measures CPU memory, not {self.device}")
+        self.start_bytes = self.peak_bytes = 0
+        self.samples = 0
+        self.spent_s = 0.0
+        self.frozen = False
+        self.excluded = 0  # bytes left out of every reading
+        self._paused = 0
+        self._mode: _SampleAfterEachOp | None = None
+        self._thread = threading.get_ident()
+
+    @property
+    def active(self) -> bool:
+        """Its mode is on this thread's stack."""
+        return self._mode is not None
+
+    def open(self) -> bool:
+        if self._mode is not None or not _stack_can_change():
+            return False
+        self._thread = threading.get_ident()
+        for other in [t for t in _OPEN if t.frozen and t._thread == self._thread]:
+            other.close()  # its reading is over: nothing needs its mode
+        _warm_up_dispatch_modes()
+        self.start_bytes = self.peak_bytes = in_use_bytes(self.device)
+        self.samples, self.spent_s, self.frozen, self.excluded = 0, 0.0, False, 0
+        self._mode = _SampleAfterEachOp(self)
+        _push_at_bottom(self._mode)
+        _OPEN.append(self)
+        return True
+
+    def sample(self) -> None:
+        if self._paused or self.frozen:
+            return
+        begin = time.perf_counter()
+        self.peak_bytes = max(self.peak_bytes, in_use_bytes(self.device) - self.excluded)
+        self.samples += 1
+        self.spent_s += time.perf_counter() - begin
+
+    def freeze(self) -> int:
+        """Read once more and keep the peak as it is from now on; returns it."""
+        self.sample()
+        self.frozen = True
+        return self.peak_bytes
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.sample()
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def exclude(self, nbytes: int) -> None:
+        self.excluded += max(0, int(nbytes))
+
+    def close(self) -> bool:
+        """Take the mode off this thread's stack; False (still on, frozen) where it cannot be."""
+        if self._mode is None:
+            return True
+        self.frozen = True  # read no more
+        if threading.get_ident() != self._thread or not _stack_can_change():
+            return False  # taken off at a later close(), or by the next tracker opened
+        _remove_mode(self._mode)
+        self._mode = None
+        _OPEN.remove(self)
+        return True
+
+    def __repr__(self) -> str:
+        return f"PeakTracker(start={self.start_bytes}, peak={self.peak_bytes}, frozen={self.frozen})"
 
 
 # NOTE [ Shared peak counters ]

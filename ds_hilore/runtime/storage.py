@@ -1,8 +1,8 @@
 """What a unit keeps of its saved tensors: whole (H), packed per run of sequences (L), elided (E).
 
-``Stored`` is one activation storage kept by a unit; ``Slot`` is the handle autograd keeps for
-one saved tensor (weights are referenced instead: weights.py). The frames that fill and read
-them are in bundle.py.
+``Stored`` is one activation storage kept by a unit, shared by the ``Slot`` handles (slots.py)
+autograd keeps for the tensors saved from it; weights are referenced instead (weights.py). The
+frames that fill and read them are in bundle.py; nothing here imports them.
 """
 
 from __future__ import annotations
@@ -11,15 +11,11 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ds_hilore._errors import bug
-
-if TYPE_CHECKING:
-    from ds_hilore.runtime.bundle import LayerFrame
+from ds_hilore.runtime.slots import Slot
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A packed group costs its payload plus one fp32 scale: narrower rows (a norm's (B, T, 1) rstd)
@@ -35,7 +31,7 @@ MIN_PACK_GROUP = 16
 # Integer and bool tensors get 0 (always a valid index). Whole-microbatch elision skips the
 # recompute only when every rank agrees, or ZeRO-3's collectives would diverge.
 # The segments of a packed row are not rows: attention can mix them, so a zero segment is
-# elided only where nothing reads it (NOTE [ Packed sequences ] in core.py).
+# elided only where nothing reads it (NOTE [ Packed sequences ] in packed.py).
 # Eliding from a storage kept whole frees bytes by copying the sequences that stay out of it
 # (and back into one buffer in the backward): a policy may decline (``keeps_whole``) when its
 # plan stores every unit whole -- then no memory is short and the copies would be pure cost.
@@ -43,9 +39,6 @@ MIN_PACK_GROUP = 16
 
 def stand_in_value(dtype: torch.dtype):
     return 1 if dtype.is_floating_point else 0
-
-
-WEIGHT, INPUT, ACT = 0, 1, 2  # what a slot holds
 
 
 class Counters:
@@ -61,8 +54,9 @@ class Counters:
         # NOTE [ One read per microbatch ]: conditions that the forward cannot check without
         # reading the device (a packed run was finite, a weight cast is what it looks like)
         # are kept here as device booleans with (frame ref, unit position, what, slot ref of
-        # a weight cast) and read together at the first unpack of the backward; a unit whose
-        # check fails -- on any rank (NOTE [ Collective fallback ] in microbatch.py) -- is
+        # a weight cast) and read together with the coefficients, or at the top of the
+        # backward (NOTE [ Two reads per microbatch ] in reads.py); a unit whose check
+        # fails -- on any rank (NOTE [ Collective fallback ] in microbatch.py) -- is
         # recomputed instead (its layer's inputs are always kept), and a disproved weight
         # reference becomes an empty slot the recompute refills, so nothing is ever wrong.
         self.checks: list[tuple[torch.Tensor, object, int, str, object]] = []
@@ -96,42 +90,6 @@ class Counters:
         return self
 
 
-class Slot:
-    """The handle autograd keeps for one saved tensor."""
-
-    __slots__ = ("frame", "pos", "kind", "ref", "weight", "stored", "view", "consumed", "__weakref__")
-
-    def __init__(self, frame: "LayerFrame", pos: int, kind: int):
-        self.frame, self.pos, self.kind = frame, pos, kind
-        self.ref = self.weight = self.stored = self.view = None
-        self.consumed = False
-
-    def empty(self) -> bool:
-        return self.kind == ACT and self.ref is None and self.stored is None
-
-    def disown_weight(self) -> None:
-        """The weight this slot referenced proved not to be what was saved (a disproved
-        autocast cast, weights.py): it becomes an empty activation slot, which the unit's
-        recompute refills with the tensor the forward really saved."""
-        if self.kind != WEIGHT:
-            raise bug("only a weight reference can be disowned")
-        self.kind, self.weight = ACT, None
-
-    def take(self) -> torch.Tensor | None:
-        """The saved value, dropped from the slot (it is unpacked once per backward)."""
-        if self.ref is not None:
-            t, self.ref = self.ref, None
-        elif self.stored is not None:
-            t = self.stored.view(self.view)
-        else:
-            return None
-        if self.stored is not None:
-            self.stored.release()
-            self.stored = None
-        self.consumed = True
-        return t
-
-
 class PackedRows:
     """Sequences ``start .. stop - 1`` of a storage packed by one codec call (per-token scales
     keep the rows independent: one call per run of sequences instead of one per sequence)."""
@@ -150,7 +108,7 @@ class Stored:
     (L), or None (E: a stand-in). Sequence ``i`` is the element range ``spans[i]`` of the
     storage: row blocks of ``block`` elements each for a batch-major storage (NOTE
     [ Batch-first ]), or the token ranges of the segments of a packed row (``block`` given as
-    the tuple of spans; NOTE [ Packed sequences ] in core.py).
+    the tuple of spans; NOTE [ Packed sequences ] in packed.py).
     """
 
     __slots__ = ("base", "rows", "block", "spans", "group", "parts", "pending", "slots", "buffer",
@@ -360,7 +318,7 @@ def segment_spans(t: torch.Tensor, segments, seq_len: int) -> tuple | None:
     """(start, stop) elements of every segment of a packed row in ``t``'s storage, or None.
 
     A packed microbatch is one row of T tokens holding several sequences (segments: token
-    ranges; NOTE [ Packed sequences ] in core.py). Only a storage proven token-major is split:
+    ranges; NOTE [ Packed sequences ] in packed.py). Only a storage proven token-major is split:
     ``t`` contiguous and the whole storage, shaped (1, T, ...), or (T, ...) flattened from a
     recorded (1, T, ...) (the 2-D input of a linear layer); T must appear nowhere else in the
     shape, or a (1, heads, T, d) layout with heads == T could pass for (1, T, ...). Segment

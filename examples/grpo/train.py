@@ -241,7 +241,9 @@ def _gather(value: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------- cleanup
 def cleanup(run: Run) -> None:
-    """Summary and plot (rank 0), each rank's result file (``--result_dir``), then a barrier."""
+    """Summary and plot (rank 0), each rank's result file (``--result_dir``), then a barrier and
+    the process groups destroyed: a gloo process group left alive can abort the process in C++
+    as the interpreter exits."""
     engine = run.engine
     extra = {"deepspeed_config": run.args.deepspeed_config, "world_size": run.world_size,
              "hilore": engine.hilore is not None,
@@ -252,6 +254,7 @@ def cleanup(run: Run) -> None:
         result = {"rank": run.rank, "summary": summary, "trainable_sha256": extra["trainable_sha256"]}
         Path(run.args.result_dir, f"rank{run.rank}.json").write_text(json.dumps(result))
     dist.barrier()
+    dist.destroy_process_group()
 
 
 def trainable_digest(module: torch.nn.Module) -> str:

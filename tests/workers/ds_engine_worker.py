@@ -9,7 +9,8 @@ Run by tests.launch.run_distributed (deepspeed runner or mpirun). Each ``--case`
   checkpointing on (the baseline); ``H`` / ``L`` / ``R`` = HiLoRe with that force_plan;
   ``mixed`` = layer 0 H, the rest R; ``auto`` = HiLoRe as the file configures it; ``split``
   = as ``auto`` with the tiny model's slices packable, and every unit of the bucket's plan a
-  per-sequence split (S) once it is built from the profile.
+  per-sequence split (S) once it is built from the profile; on rank 0 only, the first run it
+  packs in micro-step ``OVERFLOW_AT`` reports a non-finite norm (``OverflowOnce``).
 * loss: ``lm`` (causal LM loss, default) or ``grpo_rank0_only`` (GRPO loss through
   ds_hilore.grpo; every advantage on rank 1 is 0, so its ω is zero everywhere).
 
@@ -48,8 +49,13 @@ VOCAB, SEQ = 128, 16
 # mode -> hilore.force_plan ("gc": no hilore block; "auto": the file's own block)
 FORCE_PLANS = {"H": "H", "L": "L", "R": "R", "mixed": {"*": "R", "model.layers.0.*": "H"}}
 MODES = ("gc", "auto", "split", *FORCE_PLANS)
-SPLIT_BLOCK = {"min_pack_numel": 64, "codec_backend": "eager"}  # (B, T, 32) rows: 512 elements
+# "split": (B, T, 32) rows of 512 elements packable; a risk budget below rank 0's risk of packing
+# every split (0.009-0.012 of the step's gradient), so that the risk fit sends its riskiest
+# units to R -- on rank 1 too, whose own risk is 0 (its ω is)
+SPLIT_BLOCK = {"min_pack_numel": 64, "codec_backend": "eager", "grad_error_tolerance": 0.006}
+OVERFLOW_AT = (3, 0)  # (step, micro-step) of "split": planned, and nothing recomputed there else
 RECOMPUTED: list = []  # the units each layer recompute of the current micro-step re-ran
+NOW = {"step": 0, "micro": 0}  # the micro-step ``train`` runs
 LOSSES = ("lm", "grpo_rank0_only", "grpo_entropy_rank1_zero")
 
 
@@ -119,7 +125,33 @@ def make_engine(case: Case, port: int):
                                              config=ds_config(case), distributed_port=port)
     if case.mode == "split":
         plan_splits(engine.hilore.policy, lambda name: "S")
+        engine.hilore._codec = OverflowOnce(engine.hilore._codec, armed=dist.get_rank() == 0)
     return engine
+
+
+class OverflowOnce:
+    """The runtime's codec, but where ``armed`` (one rank) the first run it packs in micro-step
+    ``OVERFLOW_AT`` reports a non-finite norm, as a run that overflowed on that rank's data
+    would (an fp16 activation past its range): its unit must go to R on every rank (NOTE
+    [ Collective fallback ]), or ZeRO-3's gathers of the recompute differ. The payload is
+    intact: the recompute that replaces it is exact either way."""
+
+    def __init__(self, inner, armed: bool):
+        self.inner, self.armed = inner, armed
+
+    def pack_async(self, x):
+        packed = self.inner.pack_async(x)
+        if self.armed and (NOW["step"], NOW["micro"]) == OVERFLOW_AT:
+            self.armed = False
+            inf = torch.full_like(packed.stats[1], float("inf"))
+            packed = dataclasses.replace(packed, stats=torch.stack([packed.stats[0], inf]))
+        return packed
+
+    def unpack(self, packed, out=None):
+        return self.inner.unpack(packed, out=out)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def plan_splits(scheduler, action_of) -> None:
@@ -229,7 +261,8 @@ def hilore_record(engine) -> dict | None:
     stats = runtime.stats
     return {"unit_names": [u.name for u in runtime.units], "unit_actions": [u.action for u in runtime.units],
             "plan_hash": runtime.plan_hash(), "actions": dict(stats.get("actions", {})),
-            "recomputed_units": stats.get("recomputed_units")}
+            "recomputed_units": stats.get("recomputed_units"),
+            "nonfinite_slices": stats.get("nonfinite_slices")}
 
 
 # ---- a case -----------------------------------------------------------------------------
@@ -240,6 +273,7 @@ def train(engine, loss: str, first_step: int, last_step: int, rank: int, record:
         for micro in range(engine.gradient_accumulation_steps()):
             torch.manual_seed(SEED + 1000 * step + 10 * micro + rank)  # dropout masks
             del RECOMPUTED[:]
+            NOW.update(step=step, micro=micro)
             value = loss_fn(engine, micro_batch(step, micro, rank), rank)
             engine.backward(value)
             engine.step()

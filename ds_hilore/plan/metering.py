@@ -1,0 +1,309 @@
+"""The scheduler's memory windows: the peaks every memory budget rests on.
+
+* a profiled microbatch's GC peak (``open_profile`` / ``end_profile``), the unit of a relative
+  budget and the base of an absolute one's headroom;
+* the first microbatch that runs a bucket's plan, checked against the budget (``open_check`` /
+  ``end_check``, NOTE [ The plan's peak, checked ]);
+* the step's peak for ``stats`` (``peak_now``), and memory that appears after a shape was
+  profiled (``charge_memory_after_profiling``);
+* a profile's numbers agreed over ranks (``agree``).
+
+CUDA reads the device's peak counters without resetting them (NOTE [ Shared peak counters ] in
+runtime/memory.py); CPU reads the process's in-use bytes after every aten op of those windows
+(NOTE [ Tracked on CPU ]). ``Scheduler`` (scheduler.py) owns one ``Metering`` and calls it at
+``begin_forward``, ``begin_microbatch``, ``top_grad`` and ``end_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+
+from ds_hilore.plan import budget as budgets
+from ds_hilore.plan.profile import BucketProfile, exclude_nonfinite
+from ds_hilore.runtime.memory import DevicePeak, PeakTracker, in_use_bytes
+
+logger = logging.getLogger("ds_hilore")
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+# NOTE [ Tracked on CPU ]
+# CUDA's peak counter sees every allocation; on CPU nothing does, and in-use bytes sampled at
+# unit boundaries and at the start of the backward miss the peaks inside a unit's forward and
+# backward and those of the loss and the LM head (measured on the bench's paper-cpu: GC's peak
+# sampled at 351 MiB, 367 MiB read after every op; the plan made from it then ran at 1.115x
+# GC's peak against a 1.10 budget, with no check to catch it). So on CPU the windows every
+# budget rests on are read after every aten op (``memory.PeakTracker``, NOTE [ Tracked
+# windows ] there): each profiled microbatch (GC's peak is the max over them: it varies with
+# the data, e.g. with how many sequences have A = 0) and the first microbatch that runs a
+# bucket's plan (NOTE [ The plan's peak, checked ]). No other microbatch is tracked: a
+# reading costs a Python dispatch (~7 us) and a ``mallinfo2`` (2 us to over 100 us: it walks
+# the heap's free chunks) per op; the others are sampled as before, for ``stats``. The
+# profile's clock stops while the tracker reads (``_Sample.now``), so its timings carry only
+# the dispatch. A window opens at its microbatch's ``begin_forward`` and its peak is the one
+# read when that microbatch's backward ends (``freeze`` in the end-of-backward callback); its
+# mode, which then does nothing, is taken off at the next ``begin_forward``, ``end_step`` or
+# ``detach`` -- outside the backward, since the autograd engine puts back the dispatch modes
+# it began with. Where the stack cannot change (inside a torch.compile'd call, e.g. a compiled
+# whole model running the pre-hook) the microbatch is sampled, not tracked, and a window left
+# open stays frozen until a later close, or the next window opened on the thread, takes it off.
+# Left out of the readings as measurement only: the profile's trials (packing, unpacking and
+# re-deriving each re-created tensor once more: paused by ``_Sample.tracker``), and what the
+# matched passes keep of a microbatch for the optimizer step (the gradient at the last layer:
+# paused while taken, its bytes excluded until the window ends); the passes themselves run at
+# ``end_step``, after the window closed. Not seen: the peak inside one op (its private
+# temporaries), and the private buffers of a compiled (inductor) kernel.
+
+class Metering:
+    """The memory windows of one scheduler (see the module's docstring)."""
+
+    def __init__(self, scheduler):
+        self.s = scheduler
+        self.baseline = 0  # in use before the profiled microbatch's forward
+        self.meter: DevicePeak | None = None  # CUDA: the profiled microbatch's window
+        self.tracker: PeakTracker | None = None  # CPU: the op-level window open now, if any
+        self.check = None  # (bucket, plan, meter) of the microbatch whose plan's peak is checked
+        self.step_meter: tuple[int, DevicePeak] | None = None  # CUDA: (step, the step's window)
+
+    # ------------------------------------------------------------------ pipeline
+    def end_windows(self) -> None:
+        """``begin_forward`` and ``end_step``: the windows of the microbatch before end here."""
+        self.close_profile()
+        self.drop_check()
+        self.close_tracker()
+
+    def begin_microbatch(self, sample) -> None:
+        """The profiler's sample of the microbatch whose window is open pauses it for its trials."""
+        if self.tracker is not None and not self.tracker.frozen:
+            sample.tracker = self.tracker
+
+    def top_grad(self, mb) -> None:
+        """The backward reached the last layer: a window of this microbatch ends with the backward."""
+        if mb.profile is not None:
+            mb.profile.sample_memory()  # the start of the backward: logits and their gradient
+            _queue_callback(lambda: self.end_profile(mb))
+            return
+        peak = self.peak_now()
+        self.s.step_stats["peak_bytes"] = max(self.s.step_stats["peak_bytes"] or 0, peak)
+        if self.check is not None:
+            check = self.check
+            _queue_callback(lambda: self.end_check(check))
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """HiLoRe keeps something for a measurement (the matched passes' copy of a gradient):
+        left out of the open window, while it is taken and until the window ends."""
+        tracker = self.tracker
+        if tracker is None or tracker.frozen:
+            yield
+            return
+        before = in_use_bytes(tracker.device)
+        with tracker.paused():
+            yield
+        tracker.exclude(in_use_bytes(tracker.device) - before)
+
+    def detach(self) -> None:
+        """The runtime is detached: no window stays open."""
+        self.end_windows()
+
+    # ------------------------------------------------------------------ profiled microbatches
+    # NOTE [ Shared peak counters ] (runtime/memory.py): CUDA's peak counters are never reset;
+    # a profiled microbatch and the step are windows read as offsets. A GC peak that stayed
+    # under an earlier peak is known only between bounds: a budget relative to it is safe with
+    # the lower bound (less headroom), an absolute one with the upper (the GC peak subtracted).
+    def open_profile(self) -> None:
+        """A profiled microbatch's forward begins (on CPU: tracked, NOTE [ Tracked on CPU ])."""
+        device = self.s._device()
+        self.baseline = in_use_bytes(device)
+        if device.type == "cuda":
+            self.meter = DevicePeak(device)
+        else:
+            self._track()
+
+    def close_profile(self, sampled: int = 0) -> int | None:
+        """The profiled microbatch's GC peak on CUDA (None on CPU, or when none was metered),
+        ``sampled``: in-use bytes read inside it; also starts the step's window at its first forward."""
+        meter, self.meter = self.meter, None
+        device = self.s._device()
+        if device.type == "cuda" and (self.step_meter is None or self.step_meter[0] != self.s.steps):
+            self.step_meter = (self.s.steps, DevicePeak(device))
+        if meter is None:
+            return None
+        meter.floor = max(meter.floor, sampled)
+        meter.close()
+        config = self.s.config
+        relative = config.memory_budget_bytes is None and config.memory_fraction is None
+        stats = self.s.step_stats
+        stats["peak_exact"] = stats.get("peak_exact", True) and meter.exact
+        stats["peak_reserved_bytes"] = max(stats.get("peak_reserved_bytes") or 0, meter.reserved_peak)
+        return meter.peak if relative else meter.upper
+
+    def end_profile(self, mb) -> None:
+        """End of a profiled microbatch's backward: its sample and GC's peak go to the profiler."""
+        sample, mb.profile = mb.profile, None
+        sample.sample_memory()
+        peak = self.close_profile(sample.peak_bytes)
+        tracker = getattr(sample, "tracker", None)
+        sample.tracker = None
+        if peak is None:  # CPU: sampled, and tracked unless its window could not open or closed early
+            peak = sample.peak_bytes
+            if tracker is not None and tracker.active and not tracker.frozen:
+                peak = max(peak, tracker.freeze())
+        bucket = self.s.buckets[mb.plan_key]
+        positions = {layer.index: k for k, layer in enumerate(self.s.runtime._layers)}
+        bucket.profiler.add(sample, positions, peak, self.baseline)
+        stats = self.s.step_stats
+        stats["peak_bytes"] = max(stats["peak_bytes"] or 0, peak or 0) or None
+
+    def peak_now(self) -> int:
+        device = self.s._device()
+        if device.type == "cuda":  # the step's peak so far: exact, or its highest reading
+            if self.step_meter is None or self.step_meter[0] != self.s.steps:
+                self.step_meter = (self.s.steps, DevicePeak(device))
+            return self.step_meter[1].close()
+        return in_use_bytes(device)  # CPU, untracked: sampled at the start of the backward
+
+    # ------------------------------------------------------------------ the plan's peak
+    # NOTE [ The plan's peak, checked ]
+    # A plan is priced from the profile: GC's peak plus what it keeps. What it really peaks at
+    # can still differ (the allocator's rounding and fragmentation, a transient the profile's
+    # units do not own, a peak of the loss between units). So the first microbatch that runs a
+    # bucket's plan (a leave-one-out's warm-up variant: the plan itself) is measured as the
+    # profile's GC peak was, from its forward to the end of its backward: a ``DevicePeak``
+    # window on CUDA (its lower bound when not exact: a check must not re-plan for another
+    # reader's peak), an op-level ``PeakTracker`` window on CPU (NOTE [ Tracked on CPU ]). If it
+    # exceeds the bucket's budget, the bucket's headroom is lowered by the overshoot plus a
+    # margin (1% of the budget, at least 1 MiB) and the bucket is planned again; the overshoot
+    # is the max over ranks, so every rank re-plans the same. Each plan of a bucket is checked
+    # once, and a plan that only repeats the actions of one checked within the budget (a
+    # replan after calibration changed the risks, not the choice) is not checked again; the
+    # plans re-solved per microbatch (``_plan_for_rows``) live within the same, corrected
+    # headroom and are not checked either.
+    # A relative budget (m x GC's peak at the profiled length T0) allows m x GC(T) at length
+    # T (NOTE [ Priced for the bucket's longest ]): above T0 the budget's bytes do not bound the
+    # peak, so a check waits for a microbatch no longer than T0; an absolute one holds at any T.
+    def open_check(self, bucket, length: int) -> None:
+        """``length``: the microbatch's, the max over ranks (the same decision on every rank)."""
+        relative = bucket.budget_bound != "device" and self.s.config.memory_budget_bytes is None \
+            and self.s.config.memory_fraction is None
+        if bucket.checked is bucket.plan or bucket.budget_bytes is None or \
+                bucket.fit_actions == bucket.plan.actions or \
+                all(a == "R" for a in bucket.plan.actions.values()) or \
+                (relative and length > (bucket.shortest or bucket.key[1])):
+            return
+        device = self.s._device()
+        if device.type == "cuda":
+            self.check = (bucket, bucket.plan, DevicePeak(device))
+        elif self._track():
+            self.check = (bucket, bucket.plan, self.tracker)
+
+    def drop_check(self) -> None:
+        """An open check whose backward never came (a forward without one): not checked."""
+        if self.check is not None:
+            meter, self.check = self.check[2], None
+            if isinstance(meter, DevicePeak):
+                meter.close()
+
+    def end_check(self, check) -> None:
+        if self.check is not check:
+            return
+        self.check = None
+        bucket, plan, meter = check
+        peak = meter.freeze() if isinstance(meter, PeakTracker) else meter.close()
+        stats = self.s.step_stats
+        stats["peak_bytes"] = max(stats["peak_bytes"] or 0, peak)
+        bucket.checked = plan
+        over = float(peak - bucket.budget_bytes)
+        collective = self.s.runtime.collective
+        if collective is not None:
+            over = collective.all_reduce_max_float([over])[0]
+        if over <= 0:
+            bucket.fit_actions = dict(plan.actions)
+        if over <= 0 or plan is not bucket.plan:
+            return
+        cut = int(over) + max(2**20, bucket.budget_bytes // 100)
+        logger.info("ds_hilore: the plan for %dx%d peaked %.1f MiB over the memory budget "
+                    "(%.1f MiB); its headroom is lowered by %.1f MiB and it is planned again",
+                    *bucket.key, over / 2**20, bucket.budget_bytes / 2**20, cut / 2**20)
+        bucket.headroom_cut += cut
+        self.s._plan_bucket(bucket, profiled=False)
+
+    # ------------------------------------------------------------------ CPU windows
+    def _track(self) -> bool:
+        """Open an op-level window on this thread (NOTE [ Tracked on CPU ])."""
+        self.close_tracker()
+        tracker = PeakTracker()
+        if not tracker.open():  # inside a backward, or under torch's tracing: not tracked
+            return False
+        self.tracker = tracker
+        return True
+
+    def close_tracker(self) -> None:
+        if self.tracker is not None and self.tracker.close():
+            self.tracker = None
+
+    # ------------------------------------------------------------------ after profiling
+    # NOTE [ Memory that appears after profiling ]
+    # A shape is profiled in the first microbatches, before the optimizer has stepped; memory
+    # created at its first step (a torch optimizer's state: AdamW's two moments, 2x the
+    # trainable parameters in fp32) is in no profiled baseline, so a plan priced then would
+    # run past an absolute budget by all of it (measured: 1.35x). So at the end of the first
+    # step (after the optimizer's), what is in use now beyond each profile's baseline is
+    # added to its baseline and to GC's peak, and the bucket is planned again: within the
+    # headroom left, or, below what GC now needs, all R with the warning ``_plan_bucket``
+    # gives. The growth is the max over ranks, so every rank plans again the same buckets.
+    # Not seen: a profile completed after the first step whose baseline (the least of its
+    # samples') comes from before it; gradients held at the baseline and freed before
+    # ``end_step`` (the growth is short by them).
+    def charge_memory_after_profiling(self) -> None:
+        s = self.s
+        profiled = [b for b in s.buckets.values() if b.profile is not None]
+        if s.steps != 0 or not profiled:
+            return
+        now = in_use_bytes(s._device())
+        grown = [float(max(0, now - b.profile.baseline_bytes)) for b in profiled]
+        if s.runtime.collective is not None:
+            grown = s.runtime.collective.all_reduce_max_float(grown)
+        for bucket, extra in zip(profiled, grown):
+            if extra <= 0:
+                continue
+            logger.info("ds_hilore: %.1f MiB in use appeared after %dx%d was profiled (e.g. the "
+                        "optimizer's state); planned again for it", extra / 2**20, *bucket.key)
+            bucket.profile.baseline_bytes += int(extra)
+            bucket.profile.gc_peak_bytes += int(extra)
+            bucket.fit_actions = None  # a plan's peak grew by it too: checked again
+            s._plan_bucket(bucket, profiled=False)
+            headroom = bucket.plan.headroom_bytes
+            if headroom < 0:  # a replan does not repeat _plan_bucket's warning: said here
+                logger.warning("ds_hilore: %.1f MiB appeared after %dx%d was profiled (e.g. the "
+                               "optimizer's state): the memory budget (%s: %.1f MiB per rank) is "
+                               "now below what gradient checkpointing itself needs (%.1f MiB); "
+                               "running as GC (all R). Fix: raise the budget.", extra / 2**20,
+                               *bucket.key, budgets.describe(s.config),
+                               bucket.budget_bytes / 2**20, (bucket.budget_bytes - headroom) / 2**20)
+
+
+def agree(profile: BucketProfile, collective) -> BucketProfile:
+    """Every rank plans from the same numbers: the element-wise max over ranks; a unit
+    excluded from L on any rank is excluded on all (NOTE [ Non-finite tensors ] in
+    plan/profile.py: the max of L bytes alone can fall below the max of H bytes)."""
+    if collective is None:
+        return profile
+    fields = ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error")
+    counts = ("h_bytes", "l_bytes", "ff_bytes", "nonfinite_tensors")
+    values = [getattr(u, f) for u in profile.units for f in fields + counts]
+    totals = [profile.baseline_bytes, profile.seconds, profile.gc_peak_bytes]  # gc_peak_bytes last
+    values = collective.all_reduce_max_float([float(v) for v in values + totals])
+    profile.baseline_bytes, profile.seconds = int(values[-3]), values[-2]  # the state saved
+    k = len(fields) + len(counts)
+    for i, unit in enumerate(profile.units):
+        for j, f in enumerate(fields + counts):
+            value = values[i * k + j]
+            setattr(unit, f, int(value) if f in counts else value)
+        exclude_nonfinite(unit)
+    profile.gc_peak_bytes = int(values[-1])
+    return profile

@@ -1,0 +1,177 @@
+"""How a runtime joins a model: its hooks installed (and removed), switched on and off, and
+the recovery units found.
+
+NOTE [ Switching ]
+transformers' decoder layers call ``self._gradient_checkpointing_func(forward, *args)`` when
+their ``gradient_checkpointing`` flag is set, in training mode, with gradients on. Attaching puts
+a ``_LayerCall`` there and sets the flag; ``gradient_checkpointing_enable()`` /
+``gradient_checkpointing_disable()`` reach ``_set_gradient_checkpointing`` on the model, which is
+wrapped (``_Toggle``) so that "on" means HiLoRe and "off" means plain autograd. Under
+``torch.no_grad()`` the layers never call the function: nothing is captured.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ds_hilore.runtime import discovery
+from ds_hilore.runtime.calls import hidden_input
+from ds_hilore.runtime.registry import ATTACHED
+from ds_hilore.runtime.units import LayerUnits, is_checkpointing_layer
+
+logger = logging.getLogger("ds_hilore")
+
+
+class _LayerCall:
+    """Installed as a decoder layer's ``_gradient_checkpointing_func``."""
+
+    def __init__(self, runtime: "Installation", layer: LayerUnits):
+        self.runtime, self.layer = runtime, layer
+
+    def __call__(self, function, *args, **kwargs):
+        if kwargs:
+            function = functools.partial(function, **kwargs)
+        return self.runtime._run_layer(self.layer, function, args)
+
+
+class _ForwardWrapper:
+    """Instance ``forward`` of a layer named by ``layer_pattern`` that has no checkpoint hook."""
+
+    def __init__(self, runtime: "Installation", layer: LayerUnits, forward):
+        self.runtime, self.layer, self.forward = runtime, layer, forward
+
+    def __call__(self, *args, **kwargs):
+        if self.runtime.enabled and self.layer.module.training and torch.is_grad_enabled():
+            return self.runtime._run_layer(self.layer, functools.partial(self.forward, **kwargs), args)
+        return self.forward(*args, **kwargs)
+
+
+class _Toggle:
+    """Wraps a transformers model's ``_set_gradient_checkpointing`` (NOTE [ Switching ])."""
+
+    def __init__(self, runtime: "Installation", original):
+        self.runtime, self.original = runtime, original
+
+    def __call__(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
+        kwargs = {} if gradient_checkpointing_func is None else {
+            "gradient_checkpointing_func": gradient_checkpointing_func}
+        self.original(enable=enable, every_n_layers=every_n_layers, **kwargs)
+        self.runtime._switch(enable, every_n_layers)
+        self.runtime._last_toggle = (self.original, enable, every_n_layers, kwargs)
+
+
+class Installation:
+    """The part of ``HiLoReRuntime`` (core.py) that changes the model: hooks, switching,
+    discovery of the units. Its state lives on the runtime."""
+
+    def detach(self) -> None:
+        """Restore the model as it was before ``attach``."""
+        if not self.attached:
+            return
+        for obj, name, had, old in reversed(self._saved):
+            if had:
+                setattr(obj, name, old)
+            else:
+                obj.__dict__.pop(name, None)
+        self._saved.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._last_toggle is not None:  # the user's last switch holds for HF checkpointing
+            original, enable, every_n_layers, kwargs = self._last_toggle
+            original(enable=enable, every_n_layers=every_n_layers, **kwargs)
+        policy_detach = getattr(self.policy, "detach", None)
+        if policy_detach is not None:  # e.g. a memory window still open (NOTE [ Tracked windows ])
+            policy_detach()
+        self.attached = False
+        self._mb = None
+        ATTACHED.discard(self)
+
+    def _install(self) -> None:
+        for layer in self._layers:
+            module = layer.module
+            if is_checkpointing_layer(module):
+                self._remember(module, "_gradient_checkpointing_func")
+                self._remember(module, "gradient_checkpointing")
+                module._gradient_checkpointing_func = _LayerCall(self, layer)
+                module.gradient_checkpointing = True
+            else:
+                self._remember(module, "forward")
+                module.forward = _ForwardWrapper(self, layer, module.forward)
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            PreTrainedModel = ()
+        for module in self.model.modules():
+            if PreTrainedModel and isinstance(module, PreTrainedModel):
+                self._remember(module, "_set_gradient_checkpointing")
+                module._set_gradient_checkpointing = _Toggle(self, module._set_gradient_checkpointing)
+        self._hooks.append(self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True))
+        self._hooks.append(self.model.register_forward_hook(self._end_forward))
+        # the leaf module running names the weight an autocast cast comes from (weights.py)
+        for layer in self._layers:
+            for leaf in layer.module.modules():
+                if next(leaf.children(), None) is None and next(leaf.parameters(False), None) is not None:
+                    self._hooks.append(leaf.register_forward_pre_hook(self._enter_leaf))
+                    self._hooks.append(leaf.register_forward_hook(self._leave_leaf))
+        self.attached = True
+        ATTACHED.add(self)
+
+    def _enter_leaf(self, module, args) -> None:
+        self._weights.leaf = module
+
+    def _leave_leaf(self, module, args, output) -> None:
+        self._weights.leaf = None
+
+    def _remember(self, obj, name: str) -> None:
+        self._saved.append((obj, name, name in obj.__dict__, obj.__dict__.get(name)))
+
+    def _switch(self, enable: bool, every_n_layers: int = 1) -> None:
+        """HiLoRe on / off; with ``every_n_layers`` N > 1 only every N-th layer is HiLoRe's, the
+        others keep their activations (plain autograd), as transformers defines it."""
+        self._switched_on = enable
+        self._every_n_layers = every_n_layers
+        self._last_active = self._layers[(len(self._layers) - 1) // every_n_layers * every_n_layers].index
+        for position, layer in enumerate(self._layers):
+            if is_checkpointing_layer(layer.module):
+                layer.module.gradient_checkpointing = enable and position % every_n_layers == 0
+                layer.module._gradient_checkpointing_func = _LayerCall(self, layer)
+
+    # ------------------------------------------------------------------ discovery
+    def _probe(self) -> None:
+        """Find every layer's units now, with one small forward (``discovery.probe``); other
+        models, or a probe that fails, find their units at the first training forward."""
+        if all(layer.split is not None for layer in self._layers):
+            return
+        self._probing, warned = True, self._warned_cache
+        self._warned_cache = True  # the probe's own cache is dropped quietly
+        try:
+            failure = discovery.probe(self.model)
+        finally:
+            self._probing, self._warned_cache = False, warned
+            self._mb, self._step, self._n_microbatches = None, [], 0
+        if failure:  # said once, at attach; the first training forward finds the units instead
+            logger.info("ds_hilore: %s; recovery units will be found at the first training "
+                        "forward.", failure)
+
+    def _discover(self, layer: LayerUnits, function, args: tuple):
+        device = hidden_input(args, getattr(function, "keywords", {})).device
+        out, split = discovery.discover(layer, function, args, device,
+                                        lambda t: self._weights(t, layer.module) is not None)
+        for other in self._layers:  # at the probe, every layer proves itself
+            if other is layer or (not self._probing and other.split is None
+                                  and other.signature == layer.signature):
+                other.set_split(split)
+        self._renumber()
+        return out
+
+
+def checkpointing_on(layers: list[LayerUnits]) -> bool:
+    """Whether the script turned gradient checkpointing on for these layers (NOTE [ The
+    script's checkpointing ] in core.py): a transformers layer's flag is set, or no layer has
+    the flag."""
+    flagged = [layer.module for layer in layers if is_checkpointing_layer(layer.module)]
+    return not flagged or any(getattr(m, "gradient_checkpointing", False) for m in flagged)

