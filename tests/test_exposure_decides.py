@@ -462,6 +462,36 @@ def test_units_sent_to_recompute_after_the_forward_are_one_decision_for_all_rank
     assert recomputed[1] == recomputed[0]  # reused between refreshes
 
 
+def _predicting_rank(advantages, collective, model) -> dict:
+    """One step on one "rank": a microbatch whose ω comes from the loss, then one predicted
+    from ``advantages``; the actions the second was captured with."""
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget_bytes=(1 << 30) + int(1.9e6)))
+    _resume(runtime, _fixed_profile(runtime))
+    runtime.collective = collective
+    calls = _record(runtime)
+    try:
+        _microbatch(model, 0, HIGH_01)
+        _microbatch(model, 1, advantages, runtime, predict=True)
+        runtime.end_step()
+    finally:
+        runtime.detach()
+    return calls[-1][0]
+
+
+def test_a_microbatch_predicted_zero_on_one_rank_only_runs_the_plan_of_every_rank():
+    """NOTE [ A microbatch predicted zero ] is one decision for all ranks: alone, a rank whose
+    microbatch is predicted zero everywhere captures nothing (all R); paired with a rank whose
+    microbatch is not, both capture with the same actions (a rank-local R hangs ZeRO-3)."""
+    base, zero = _model(), torch.zeros(B)
+    assert set(_predicting_rank(zero, None, copy.deepcopy(base)).values()) == {"R"}
+    first_a, first_b = _PairedCollective(), _PairedCollective()
+    _predicting_rank(zero, first_a, copy.deepcopy(base))  # what each rank sends, recorded
+    _predicting_rank(HIGH_01, first_b, copy.deepcopy(base))
+    ran_a = _predicting_rank(zero, _PairedCollective(first_b), copy.deepcopy(base))
+    ran_b = _predicting_rank(HIGH_01, _PairedCollective(first_a), copy.deepcopy(base))
+    assert ran_a == ran_b and set(ran_a.values()) != {"R"}, (ran_a, ran_b)
+
+
 # ---------------------------------------------------------------------------- TRL's loss step
 
 class _Trainer:

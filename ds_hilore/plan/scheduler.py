@@ -327,8 +327,8 @@ class Scheduler:
         """The bucket's plan for this microbatch: splits by predicted exposure (the most exposed
         sequences H, the least exposed L), sequences predicted 0 elided (E) and the memory they
         leave spent (``_plan_for_rows``; all R when every one is: NOTE [ A microbatch predicted
-        zero ]); ``recompute_layer``: that layer R instead (a
-        leave-one-out variant, timed on the bucket's own plan)."""
+        zero ]); ``recompute_layer``: that layer R instead (a leave-one-out variant, timed on
+        the bucket's own plan)."""
         plan, batch = bucket.plan, min(self.rows_here, bucket.key[0])  # NOTE [ Uneven batches ]
         if recompute_layer is not None:
             layer_of = {c.name: c.layer for c in bucket.profile.units}
@@ -380,10 +380,11 @@ class Scheduler:
         backward decodes a stand-in per storage and re-derives its pointwise tensors from
         them; R captures nothing, and once ω shows every sequence of every rank zero its
         backward skips the recompute and reads stand-ins (NOTE [ Exact zeros ] in
-        runtime/storage.py). Measured on ``hilore bench --model paper-cpu`` data (one profile
-        for every method, one torch thread, 20 paired rounds): the step x1.027 faster than
-        with E (95 % CI 1.008-1.073), which had left it level with the exposure-blind
-        allocator (x1.002; that one packs the microbatch's units before ω shows them zero).
+        runtime/storage.py). Measured on ``hilore bench --model paper-cpu`` steps (one profile
+        for every method, two torch threads, idle CPU, 40 paired rounds): the step x1.090
+        faster than with E (95 % CI 1.044-1.154), which had left it behind the exposure-blind
+        allocator (x0.950), although that one packs the microbatch's units before ω shows them
+        zero; now ahead of it (x1.036, 1.015-1.070).
         Only while the skip is known to happen -- the last microbatch's ω came from the loss
         (the analytic source; a hidden-gradient one never skips a recompute), on every rank;
         else E stays, checked after the forward as before. A wrong prediction costs time
