@@ -956,6 +956,32 @@ def test_an_overflowed_calibration_pass_is_dropped_counted_and_retried():
         runtime.detach()
 
 
+def test_a_calibration_microbatch_with_nothing_exposed_records_no_susceptibility():
+    """NOTE [ A calibration with nothing exposed ]: every group of zero advantage makes the exact
+    gradient 0 and the pass 0 / 0; before, a susceptibility of 0 was stored for the group (its
+    units then packed at no risk). No sample, not counted; the next microbatch calibrates."""
+    model = _model()
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=1,
+                                           validation_interval=0))
+    try:
+        for step in range(PROFILED):
+            _grpo_microbatch(model, step)
+            runtime.end_step()
+            model.zero_grad(set_to_none=True)
+        _grpo_microbatch(model, PROFILED, rewards=torch.ones(B))  # the first planned: calibrated
+        runtime.end_step()
+        model.zero_grad(set_to_none=True)
+        calibration = runtime.stats["calibration"]
+        assert calibration["microbatches"] == 0 and calibration["susceptibility"] == {}
+        _grpo_microbatch(model, PROFILED + 1)  # exposed: calibrates
+        runtime.end_step()
+        calibration = runtime.stats["calibration"]
+        samples = [s for v in calibration["susceptibility"].values() for s in v]
+        assert calibration["microbatches"] == 1 and len(samples) == 1 and samples[0] > 0, calibration
+    finally:
+        runtime.detach()
+
+
 def test_an_overflowed_validation_pass_never_passes_and_is_retried():
     model = _model()
     runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=0,

@@ -188,6 +188,8 @@ class MatchedPasses:
         if job.kind == "hold_out":
             self.ranking = self._rank_slices(job)
         elif job.kind == "calibrate":
+            if not self._exposed_anywhere(job):  # NOTE [ A calibration with nothing exposed ]
+                return
             group, names, _ = self._calibration_subset(job.bucket)
             eps = _exposed_eps(job, names)
             actions = {n: ("L" if n in names else "R") for n in job.executed}
@@ -487,6 +489,23 @@ class MatchedPasses:
         value, nan, inf = collective.all_reduce_max_float(
             [finite, float(math.isnan(error)), float(error == math.inf)])
         return math.nan if nan else math.inf if inf else value
+
+    def _exposed_anywhere(self, job: _Job) -> bool:
+        """Whether ``job``'s microbatch had loss mass on some rank (the same answer on every
+        rank, so that every rank runs the passes or none does).
+
+        NOTE [ A calibration with nothing exposed ]
+        A microbatch whose coefficients are zero on every rank (every group of zero advantage,
+        no KL term) has an exact gradient of 0, and so has every approximation of it: its pass
+        would measure 0 / 0 and record a susceptibility of 0 for the group, which lets the
+        allocator pack that group at no risk from then on. Such a microbatch teaches nothing;
+        it is not counted as a calibration, and the next planned microbatch calibrates instead.
+        One all-reduce, on calibrating microbatches only."""
+        local = 1.0 if job.mass is None or sum(job.mass) > 0 else 0.0
+        collective = self.scheduler.runtime.collective
+        if collective is not None:
+            local = collective.all_reduce_max_float([local])[0]
+        return local > 0
 
     def _measured(self, error: float, what: str, finite: bool = False) -> bool:
         """False (the pass is dropped, counted and said once) when it measured nothing, or,
