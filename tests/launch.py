@@ -6,7 +6,8 @@ after ``args``, and returns the JSON each rank wrote with :func:`write_result`, 
 rank. A non-zero exit or a timeout fails with every rank's output.
 
 Workers are run from the repository root with it on ``PYTHONPATH``, so they can
-``from tests.launch import write_result``.
+``from tests.launch import write_result`` (or :func:`run_cases`, which runs a worker's cases and
+writes their result).
 
 # NOTE [ Clean rank environment ]
 # In-process single-rank tests set RANK/WORLD_SIZE/MASTER_* in os.environ. If those leaked
@@ -24,8 +25,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -52,6 +56,24 @@ def write_result(result_dir: str | os.PathLike, rank: int, payload: dict) -> Non
     tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
     os.replace(tmp, path)
     end_distributed()
+
+
+def run_cases(worker: str, cases: list[str], run: Callable[[str], dict], result_dir: str) -> None:
+    """Worker side, its main: ``run(case)`` for each case in turn, then :func:`write_result` of
+    ``{"rank", "cases": case -> record, "seconds"}``. A case that raises is recorded as
+    ``{"error": traceback}`` and the next case runs; ``worker`` names the log lines."""
+    import torch.distributed as dist
+
+    started, results = time.perf_counter(), {}
+    for case in cases:
+        print(f"[{worker}] case {case}", flush=True)  # locates a failure
+        try:
+            results[case] = run(case)
+        except Exception:  # reported per case; a rank left waiting in a collective times out
+            traceback.print_exc()
+            results[case] = {"error": traceback.format_exc()}
+    write_result(result_dir, dist.get_rank(), {
+        "rank": dist.get_rank(), "cases": results, "seconds": time.perf_counter() - started})
 
 
 # NOTE [ Ending the process group ]

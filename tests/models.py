@@ -153,39 +153,35 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
-def equal_utilities(monkeypatch):
-    """Every unit's measured times replaced by one that makes H, and only H, pay the same
-    second: the knapsack then keeps as many units as the memory allows, whatever the load."""
+def fixed_profile_times(monkeypatch, codec_s: float) -> None:
+    """Every unit's measured times replaced by fixed ones: 1 s to recompute, nothing to capture
+    or derive, ``codec_s`` to pack and as much to unpack; so the plans made from a profile do
+    not depend on the machine's load."""
     from ds_hilore.plan.profile import Profiler
 
     result = Profiler.result
 
-    def fixed(self):
-        profile = result(self)
+    def fixed(self, *args, **kwargs):
+        profile = result(self, *args, **kwargs)
         for cost in profile.units:
             cost.recompute_s, cost.capture_s, cost.derive_s = 1.0, 0.0, 0.0
-            cost.pack_s = cost.unpack_s = 2.0
+            cost.pack_s = cost.unpack_s = codec_s
         return profile
 
     monkeypatch.setattr(Profiler, "result", fixed)
+
+
+def equal_utilities(monkeypatch):
+    """Every unit's measured times replaced by one that makes H, and only H, pay the same
+    second: the knapsack then keeps as many units as the memory allows, whatever the load."""
+    fixed_profile_times(monkeypatch, codec_s=2.0)
 
 
 def packing_pays(monkeypatch):
     """Every unit's measured times replaced by ones that make H pay 1 s and L 0.98 s (its
     codec costs 0.02 s): the knapsack then fills the memory with H and L whatever the load,
     packing only where H does not fit (and the risk budget allows)."""
-    from ds_hilore.plan.profile import Profiler
-
-    result = Profiler.result
-
-    def fixed(self):
-        profile = result(self)
-        for cost in profile.units:
-            cost.recompute_s, cost.capture_s, cost.derive_s = 1.0, 0.0, 0.0
-            cost.pack_s = cost.unpack_s = 0.01
-        return profile
-
-    monkeypatch.setattr(Profiler, "result", fixed)
+    fixed_profile_times(monkeypatch, codec_s=0.01)
 
 
 def one_torch_thread():

@@ -421,9 +421,12 @@ def test_codec_that_does_not_pay_is_never_chosen(double):
         h_total = sum(c.h_bytes for c in measured.units)
         l_total = sum(c.l_bytes for c in measured.units)
         assert l_total < h_total, measured
-        runtime.config.memory_budget_bytes = measured.gc_peak_bytes + (h_total + l_total) // 2
+        _step(runtime, model, ref, PROFILED)  # planned: the profile as of this step (NOTE
+        # [ Memory that appears after profiling ] in plan/metering.py), budgeted from it
+        runtime.config.memory_budget_bytes = bucket.profile.gc_peak_bytes + (h_total + l_total) // 2
+        runtime.policy.replan()
         plans = []
-        for step in range(PROFILED, PROFILED + 2):
+        for step in range(PROFILED + 1, PROFILED + 3):
             _, got, expected = _step(runtime, model, ref, step)
             plans.append(dict(bucket.plan.actions))
             assert runtime.stats["actions"]["L"] == 0, (step, runtime.stats["actions"])
@@ -435,7 +438,8 @@ def test_codec_that_does_not_pay_is_never_chosen(double):
         runtime.detach()
     for actions in plans:
         assert set(actions.values()) <= {"H", "R"}, actions
-    assert plan.headroom_bytes == (h_total + l_total) // 2
+    # less only by what appeared after the planned step began (a few KiB of first-use caches)
+    assert 0 <= (h_total + l_total) // 2 - plan.headroom_bytes <= 64 * 1024, plan.headroom_bytes
     packable = [c for c in profile.units if c.l_bytes < c.h_bytes]
     assert packable
     if double == "slow":

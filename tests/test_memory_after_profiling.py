@@ -24,7 +24,7 @@ def _microbatch(model, seed: int) -> None:
 def _profiled_then_stepped(state_share: float, caplog):
     """Step 0 discovers and profiles (two microbatches, all R), then the budget is set to GC's profiled peak
     plus ``state_share`` x the AdamW state its first step creates, and the plan is made for it;
-    then the optimizer steps and ``end_step`` closes the step."""
+    then the optimizer steps, ``end_step`` closes the step and the next one begins."""
     torch.manual_seed(0)
     model = tiny_model("qwen2", layers=2, hidden=128, heads=4, intermediate=512, dropout=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # state allocated at step()
@@ -45,8 +45,9 @@ def _profiled_then_stepped(state_share: float, caplog):
     kept_before = bucket.plan.memory_bytes
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    runtime.end_step()
     with caplog.at_level(logging.WARNING, logger="ds_hilore"):
-        runtime.end_step()
+        _microbatch(model, 3)  # the next step's start: charged, planned again
     return runtime, bucket, state, gc_before, kept_before
 
 
@@ -67,3 +68,37 @@ def test_optimizer_state_above_the_budget_left_runs_as_GC_with_the_warning(caplo
     assert bucket.plan.memory_bytes == 0
     assert "is now below what gradient checkpointing itself needs" in caplog.text
     runtime.detach()
+
+
+def test_a_shape_profiled_in_the_first_step_and_planned_in_the_next_is_priced_with_the_state():
+    """Two microbatches per step, both profiled in step 0: the bucket is planned at step 1's
+    first forward, after the optimizer's first step made its state. Before, the plan was
+    priced from step 0's samples alone and the end of step 0 charged nothing (no plan yet):
+    it kept up to the whole headroom the state then took."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen2", layers=2, hidden=128, heads=4, intermediate=512, dropout=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    runtime = ds_hilore.attach(model, {"low_precision": "none", "profile_microbatches": 2,
+                                       "calibration_microbatches": 0,
+                                       "plan_validation_microbatches": 0,
+                                       "memory_budget_bytes": 1 << 40})
+    try:
+        for k in range(2):  # step 0: discovery and the two profiled microbatches
+            _microbatch(model, k)
+        bucket = runtime.policy.buckets[KEY]
+        assert bucket.plan is None and bucket.profiler.done
+        for sample in bucket.profiler.samples:  # every H pays: the plan does not depend on timings
+            for cost in sample:
+                cost.recompute_s, cost.capture_s, cost.derive_s = 1.0, 0.0, 0.0
+        state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+        gc_before = max(p for p in bucket.profiler.peaks if p is not None)
+        runtime.config.memory_budget_bytes = gc_before + 2 * state
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        runtime.end_step()
+        _microbatch(model, 2)  # step 1: planned at its forward
+        assert bucket.plan is not None
+        assert bucket.profile.gc_peak_bytes - gc_before >= state  # read as if taken now
+        assert 0 < bucket.plan.memory_bytes <= runtime.config.memory_budget_bytes - gc_before - state
+    finally:
+        runtime.detach()

@@ -467,13 +467,14 @@ def test_per_sequence_plan_must_match_the_batch():
         model(**batch())
 
 
-def _runtime_imports() -> dict[str, set[str]]:
-    """module -> the ds_hilore.runtime modules it imports, anywhere in its source (deferred
+def _package_imports(package: str) -> dict[str, set[str]]:
+    """module -> the ds_hilore.``package`` modules it imports, anywhere in its source (deferred
     and TYPE_CHECKING imports included)."""
     import ast
     from pathlib import Path
 
-    folder = Path(ds_hilore.__file__).parent / "runtime"
+    folder = Path(ds_hilore.__file__).parent / package
+    prefix = f"ds_hilore.{package}."
     graph = {}
     for path in folder.glob("*.py"):
         found = set()
@@ -485,14 +486,16 @@ def _runtime_imports() -> dict[str, set[str]]:
             else:
                 continue
             found |= {n.split(".")[2] for n in names
-                      if n.startswith("ds_hilore.runtime.") and (folder / f"{n.split('.')[2]}.py").exists()}
+                      if n.startswith(prefix) and (folder / f"{n.split('.')[2]}.py").exists()}
         graph[path.stem] = found - {path.stem}
     return graph
 
 
-def test_runtime_modules_import_each_other_without_a_cycle():
-    graph = _runtime_imports()
-    assert graph["storage"] <= {"slots"}  # what a unit keeps knows no frame
+@pytest.mark.parametrize("package", ["runtime", "plan"])
+def test_package_modules_import_each_other_without_a_cycle(package):
+    graph = _package_imports(package)
+    if package == "runtime":
+        assert graph["storage"] <= {"slots"}  # what a unit keeps knows no frame
     done, path = set(), []
 
     def visit(module):
@@ -532,3 +535,13 @@ def test_the_runtime_modules_still_export_their_names():
 
     assert (Runtime, attach_core, find_core) == (HiLoReRuntime, attach, find_runtime)
     assert ds_hilore.find_runtime is find_runtime and ds_hilore.HiLoReRuntime is HiLoReRuntime
+
+
+def test_the_plan_modules_still_export_their_names():
+    from ds_hilore.plan.buckets import Bucket as Moved
+    from ds_hilore.plan.calibrate import MatchedPasses, _rel_error, step_error  # noqa: F401
+    from ds_hilore.plan.grad_error import rel_error
+    from ds_hilore.plan.grad_error import step_error as moved_step_error
+    from ds_hilore.plan.scheduler import Bucket, Scheduler  # noqa: F401
+
+    assert (Bucket, _rel_error, step_error) == (Moved, rel_error, moved_step_error)

@@ -179,7 +179,7 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
         runtime.follow_script_checkpointing()
     if dist.is_initialized() and dist.get_world_size() > 1:
         runtime.collective = TorchDistCollective()
-    if runtime.policy is not None:  # NOTE [ Matched passes under ZeRO-3 ] in plan/calibrate.py
+    if runtime.policy is not None:  # NOTE [ Matched passes under ZeRO-3 ] in plan/zero3_passes.py
         runtime.policy.passes.zero3_offload = getattr(engine.optimizer, "parameter_offload", None)
     engine.hilore = runtime
     engine.__class__ = _hilore_engine_class(type(engine))

@@ -1,13 +1,17 @@
 """What HiLoRe decides: per shape bucket, which units are stored (H), packed (L), split by
 sequence or recomputed (R), within a memory budget and a gradient-error budget.
 
-    profile.py    what each unit costs, measured on the running model (NOTE [ Profiling ])
-    risk.py       how much gradient error packing adds, calibrated from matched passes
-    calibrate.py  the matched passes (NOTE [ Matched passes ])
-    knapsack.py   the two-constraint multiple-choice knapsack (pure)
-    allocate.py   a bucket's plan from its profile (pure)
-    scheduler.py  the per-microbatch pipeline (NOTE [ One microbatch ])
-    metering.py   the scheduler's memory windows: GC's profiled peak, a plan's peak checked
+    profile.py       what each unit costs, measured on the running model (NOTE [ Profiling ])
+    risk.py          how much gradient error packing adds, calibrated from matched passes
+    calibrate.py     the matched passes (NOTE [ Matched passes ])
+    grad_error.py    their arithmetic on gradients: norms, relative errors, the step's over ranks
+    zero3_passes.py  a pass under ZeRO-3 (NOTE [ Matched passes under ZeRO-3 ])
+    knapsack.py      the two-constraint multiple-choice knapsack (pure)
+    allocate.py      a bucket's plan from its profile (pure)
+    scheduler.py     the per-microbatch pipeline (NOTE [ One microbatch ])
+    buckets.py       a shape bucket, priced for its longest length
+    slices.py        a microbatch's unit-sequence slices: their risk, the exposure quartiles
+    metering.py      the scheduler's memory windows: GC's profiled peak, a plan's peak checked
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_sha
     """The knapsack groups of a profile: one per layer, every joint action an option.
     ``scale`` (>= 1) stretches bytes and times to a bucket longer than the profiled shape;
     ``byte_scale`` (unit kind -> factor >= 1) stretches only the bytes of that kind's units
-    (NOTE [ Priced for the bucket's longest ] in scheduler.py); ``excluded`` layers
+    (NOTE [ Priced for the bucket's longest ] in buckets.py); ``excluded`` layers
     (leave-one-out found their options do not pay) get R only."""
     layers: dict[int, list[UnitCost]] = {}
     for cost in profile.units:

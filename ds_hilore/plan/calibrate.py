@@ -1,5 +1,10 @@
 """Matched passes: the true gradient error of a plan, measured on a training microbatch.
 
+``MatchedPasses`` picks the microbatches to measure and runs the passes over them, in pieces
+where memory is short; ``Scheduler`` (scheduler.py) owns one and calls it at ``begin_forward``,
+``top_grad`` and ``end_step``. The passes' arithmetic on gradients is in grad_error.py, what
+keeps them from changing ZeRO-3's state in zero3_passes.py.
+
 NOTE [ Matched passes ]
 A pass re-runs a microbatch's forward with a given plan and takes the gradient of the decoder
 layers' trainable parameters with ``torch.autograd.grad`` from the gradient the training backward
@@ -10,9 +15,9 @@ training's stream is unchanged. The exact gradient comes from an all-R pass (bit
 checkpointing gives). Passes run at the optimizer step, on the same steps on every rank (the
 decision depends only on state every rank shares). A calibration or ranking error is the max
 over ranks; the validated step's error is that of the gradient summed over ranks (NOTE [ The
-step's error over ranks ]). What a pass holds is bounded (NOTE [ What a pass holds ]); under
-ZeRO-3 passes gather parameters as training does and leave DeepSpeed's state as they found it
-(NOTE [ Matched passes under ZeRO-3 ]).
+step's error over ranks ] in grad_error.py). What a pass holds is bounded (NOTE [ What a pass
+holds ]); under ZeRO-3 passes gather parameters as training does and leave DeepSpeed's state as
+they found it (NOTE [ Matched passes under ZeRO-3 ] in zero3_passes.py).
 
 * Calibration (the first ``calibration_microbatches`` planned microbatches): one group of units
   (kind x depth half, cycling) has a random half of its packable units in L; the measured error
@@ -54,26 +59,24 @@ allocated peak).
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import copy
 import dataclasses
 import logging
 import math
 import random
 import time
-from collections import UserDict
 from typing import Any, Callable
 
 import torch
 
 from ds_hilore.grpo import exposure
+from ds_hilore.plan.grad_error import accumulator, held_bytes, minus, numel, ratio, squared, summed_norms
+from ds_hilore.plan.grad_error import rel_error as _rel_error  # noqa: F401 (importable here)
+from ds_hilore.plan.grad_error import step_error  # noqa: F401 (importable here)
 from ds_hilore.plan.risk import group_of, share, spearman
+from ds_hilore.plan.zero3_passes import isolated as zero3_isolated
 from ds_hilore.runtime.memory import DevicePeak, in_use_bytes
 
 logger = logging.getLogger("ds_hilore")
-
-_PASS_OWNER = -1  # NOTE [ Matched passes under ZeRO-3 ]: no module's ds_id (those count from 0)
 
 
 @dataclasses.dataclass
@@ -99,11 +102,12 @@ class MatchedPasses:
         self.seconds = 0.0  # what the passes cost so far
         # DeepSpeed's ZeRO-3 parameter offload (``engine.optimizer.parameter_offload``), given by
         # the engine integration: passes under ZeRO-3 gather through it (NOTE [ Matched passes
-        # under ZeRO-3 ]); a ZeRO-3 model attached without it gets no passes
+        # under ZeRO-3 ] in zero3_passes.py); a ZeRO-3 model attached without it gets no passes
         self.zero3_offload = None
         self._zero3: bool | None = None  # parameters partitioned by ZeRO-3
         self._validated_step = -1
-        self.dropped = 0  # passes whose exact gradient was not finite (NOTE [ Non-finite passes ])
+        # passes whose exact gradient was not finite (NOTE [ Non-finite passes ] in grad_error.py)
+        self.dropped = 0
         self.revalidate = False  # the last validation measured nothing: the next step validates
         self.hold_out = False  # the next planned microbatch is held out for a ranking check
         self.ranking: dict | None = None  # the last ranking check (see ``rank_slices``)
@@ -213,14 +217,15 @@ class MatchedPasses:
 
     def _errors(self, job: _Job, variants: list[tuple[Any, dict]]) -> list[float]:
         """This rank's ||g - g_exact|| / ||g_exact|| of ``job`` under each variant (actions,
-        rows), piece by piece (NOTE [ What a pass holds ]); NaN / inf as ``_ratio``."""
+        rows), piece by piece (NOTE [ What a pass holds ]); NaN / inf as ``ratio``
+        (grad_error.py)."""
         num, den = [0.0] * len(variants), [0.0]
         for piece in self._pieces(job, accumulators=False):
             exact: dict[int, torch.Tensor] = {}
 
             def keep(i, g):
                 exact[i] = g
-                den[0] += _squared(g)
+                den[0] += squared(g)
 
             self._pass(job, "R", {}, piece, keep)
             for v, (actions, rows) in enumerate(variants):
@@ -228,49 +233,50 @@ class MatchedPasses:
 
                 def compare(i, g, v=v, seen=seen):
                     seen.add(i)
-                    num[v] += _squared(_minus(g, exact.get(i)))
+                    num[v] += squared(minus(g, exact.get(i)))
 
                 self._pass(job, actions, rows, piece, compare)
-                num[v] += sum(_squared(e) for i, e in exact.items() if i not in seen)  # planned: 0
+                num[v] += sum(squared(e) for i, e in exact.items() if i not in seen)  # planned: 0
             exact.clear()
-        return [_ratio(n, den[0]) for n in num]
+        return [ratio(n, den[0]) for n in num]
 
     def _validate_step(self, jobs: list[_Job]) -> float:
         """The step's measured error over ``jobs`` (its microbatches) and every rank's
-        (NOTE [ The step's error over ranks ]); each microbatch's own error reported too (this
-        rank's). Per piece: D and G summed over the microbatches, then over ranks."""
+        (NOTE [ The step's error over ranks ] in grad_error.py); each microbatch's own error
+        reported too (this rank's). Per piece: D and G summed over the microbatches, then over
+        ranks."""
         s = self.scheduler
         num = den = 0.0
         per_mb = [[0.0, 0.0] for _ in jobs]  # this rank's (||d_m||^2, ||g_m||^2)
         for piece in self._pieces(jobs[-1], accumulators=True):
-            diff = [_accumulator(p) for p in piece]  # D, this rank's
-            total = [_accumulator(p) for p in piece]  # G, this rank's
+            diff = [accumulator(p) for p in piece]  # D, this rank's
+            total = [accumulator(p) for p in piece]  # G, this rank's
             for job, sums in zip(jobs, per_mb):
                 exact: dict[int, torch.Tensor] = {}
 
                 def keep(i, g, sums=sums):
                     exact[i] = g
                     total[i].add_(g)
-                    sums[1] += _squared(g)
+                    sums[1] += squared(g)
 
                 def compare(i, g, sums=sums):
-                    d = _minus(g, exact.pop(i, None))
-                    sums[0] += _squared(d)
+                    d = minus(g, exact.pop(i, None))
+                    sums[0] += squared(d)
                     diff[i].add_(d)
 
                 self._pass(job, "R", {}, piece, keep)
                 self._pass(job, *_as_executed(job), piece, compare)
                 for i, e in exact.items():  # no planned gradient: it is 0
-                    sums[0] += _squared(e)
+                    sums[0] += squared(e)
                     diff[i].sub_(e)
                 exact.clear()
-            n, d = _summed_norms(diff, total, s.runtime.collective)
+            n, d = summed_norms(diff, total, s.runtime.collective)
             num, den = num + n, den + d
             diff.clear()  # freed before the next piece's are made
             total.clear()
-        error = self._agree(_ratio(num, den))  # the same on every rank
+        error = self._agree(ratio(num, den))  # the same on every rank
         s.step_stats["grad_error_measured"] = error
-        s.step_stats["grad_error_measured_microbatch"] = [_ratio(n, d) for n, d in per_mb]
+        s.step_stats["grad_error_measured_microbatch"] = [ratio(n, d) for n, d in per_mb]
         return error
 
     def _rank_slices(self, job: _Job) -> dict:
@@ -308,7 +314,7 @@ class MatchedPasses:
         slices = []
         for slice_, error in zip(candidates, self._errors(job, variants) if variants else []):
             measured = self._agree(error)
-            if not self._measured(measured, "ranking"):  # NOTE [ Non-finite passes ]
+            if not self._measured(measured, "ranking"):  # NOTE [ Non-finite passes ] in grad_error.py
                 continue
             slices.append({**slice_, "measured": measured})
         measured = [x["measured"] for x in slices]
@@ -347,7 +353,8 @@ class MatchedPasses:
         devices = list(range(torch.cuda.device_count())) if job.cuda_rng is not None else []
         self.running = True
         try:
-            with self._zero3_isolated(), torch.random.fork_rng(devices=devices), runtime.shadow():
+            with zero3_isolated(self.zero3_offload if self._zero3 else None, runtime.model), \
+                    torch.random.fork_rng(devices=devices), runtime.shadow():
                 torch.set_rng_state(job.rng)
                 for d, state in zip(devices, job.cuda_rng or []):
                     torch.cuda.set_rng_state(state, d)
@@ -390,8 +397,8 @@ class MatchedPasses:
         params = [p for g in groups for p in g]
         if not params:
             return []
-        transient = max(8 * _numel(p) + _numel(p) * p.element_size() for p in params)
-        need = [sum(_held_bytes(p, accumulators) for p in g) for g in groups]
+        transient = max(8 * numel(p) + numel(p) * p.element_size() for p in params)
+        need = [sum(held_bytes(p, accumulators) for p in g) for g in groups]
         spare = self._spare_bytes(job)
         pieces, current, held = [], [], 0
         for group, n in zip(groups, need):
@@ -445,39 +452,6 @@ class MatchedPasses:
         self._meter = None
         self.peak_bytes = max(self.peak_bytes or 0, peak)
 
-    # ------------------------------------------------------------------ ZeRO-3
-    @contextlib.contextmanager
-    def _zero3_isolated(self):
-        """NOTE [ Matched passes under ZeRO-3 ]."""
-        offload = self.zero3_offload if self._zero3 else None
-        if offload is None:
-            yield
-            return
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        model = self.scheduler.runtime.model
-        params = list(model.parameters())
-        modules = list(model.modules())
-        kept = [p.ds_status == ZeroParamStatus.AVAILABLE for p in params]
-        owners = [set(p.ds_active_sub_modules) for p in params]
-        counters = [_module_counters(m) for m in modules]
-        for p, resident in zip(params, kept):
-            if resident:  # never released by the pass's module hooks
-                p.ds_active_sub_modules.add(_PASS_OWNER)
-        coordinator = offload.param_coordinator
-        offload.param_coordinator = _fresh_coordinator(coordinator)
-        try:
-            yield
-        finally:
-            offload.param_coordinator = coordinator
-            for p, resident, owner in zip(params, kept, owners):
-                p.ds_active_sub_modules.clear()
-                if not resident and p.ds_status == ZeroParamStatus.AVAILABLE:
-                    p.partition()  # gathered for a backward whose release hook never ran
-                p.ds_active_sub_modules.update(owner)
-            for m, state in zip(modules, counters):
-                _restore_counters(m, state)
-
     # ------------------------------------------------------------------ over ranks
     def _agree(self, error: float) -> float:
         """The max over ranks; NaN when any rank measured nothing, else inf when any rank's
@@ -509,7 +483,8 @@ class MatchedPasses:
 
     def _measured(self, error: float, what: str, finite: bool = False) -> bool:
         """False (the pass is dropped, counted and said once) when it measured nothing, or,
-        ``finite``, when its error is not a number a sample can hold (NOTE [ Non-finite passes ])."""
+        ``finite``, when its error is not a number a sample can hold (NOTE [ Non-finite passes ]
+        in grad_error.py)."""
         if not math.isnan(error) and not (finite and math.isinf(error)):
             return True
         self.dropped += 1
@@ -540,166 +515,6 @@ def _exposed_eps(job: _Job, names) -> float:
     total = 0.0
     for name in names:
         values = (job.exposure or {}).get(name)
-        ratio = sum(values) / mass if values is not None and mass > 0 else 1.0
-        total += costs[name].rel_error * ratio
+        exposed = sum(values) / mass if values is not None and mass > 0 else 1.0
+        total += costs[name].rel_error * exposed
     return total
-
-
-# ---- tensors, one at a time ----------------------------------------------------------------
-def _numel(p: torch.Tensor) -> int:
-    return p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # ZeRO-3: the whole parameter's
-
-
-def _accumulator(p: torch.Tensor) -> torch.Tensor:
-    """A zero sum for ``p``'s gradients: its full shape, at least fp32."""
-    shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3: the whole parameter's
-    return torch.zeros(shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
-
-
-def _held_bytes(p: torch.Tensor, accumulators: bool) -> int:
-    """What a pass holds for ``p``: its exact gradient, and D and G for validation."""
-    acc = torch.promote_types(p.dtype, torch.float32).itemsize if accumulators else 0
-    return _numel(p) * (p.element_size() + 2 * acc)
-
-
-def _minus(g: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
-    """g - e in fp64, a new tensor (``g`` may share storage with other gradients)."""
-    d = g.to(torch.float64, copy=True)
-    return d if e is None else d.sub_(e)
-
-
-def _squared(t: torch.Tensor) -> float:
-    """||t||^2 in fp64 (one fp64 copy of ``t`` at most)."""
-    t = t if t.dtype == torch.float64 else t.double()
-    flat = t.reshape(-1)
-    return float(torch.dot(flat, flat))
-
-
-def _rel_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
-    """||g - g_exact|| / ||g_exact|| over every trainable parameter of the decoder layers
-    (NOTE [ Non-finite passes ]: NaN when the exact gradient is not finite)."""
-    num = sum(_squared(_minus(a, e)) for a, e in zip(approx, exact))
-    den = sum(_squared(e) for e in exact)
-    return _ratio(num, den)
-
-
-def step_error(diff: list[torch.Tensor], exact: list[torch.Tensor], collective) -> float:
-    """||sum_r D_r|| / ||sum_r G_r||: the relative error of the step's gradient over ranks.
-
-    NOTE [ The step's error over ranks ]
-    What the optimizer sees is the gradient summed over ranks (data parallel, then averaged:
-    a scale the ratio does not see), so the error ``grad_error_tolerance`` bounds is
-    ||sum_r D_r|| / ||sum_r G_r||, with D_r = sum_m (g_m - g_m exact) and G_r = sum_m g_m exact
-    of rank r's micro-steps. Neither the max of the ranks' own errors nor a sum of their
-    squared norms is that: ||sum_r D_r||^2 = sum_r ||D_r||^2 + sum_{r != s} <D_r, D_s>, and
-    the cross terms (errors that cancel or add up over ranks) need the vectors. So D and G
-    themselves are summed over ranks, tensor by tensor (every rank holds the whole gradient of
-    the parameters a pass measures, under ZeRO-3 too: a pass's gradients are full tensors, never
-    partitioned), and the norms taken after, in fp64, one tensor at a time; every rank then
-    computes the same value. With the passes in pieces (NOTE [ What a pass holds ]) each
-    piece's D and G are summed over ranks in turn and the squared norms add up over pieces.
-    Validation runs every ``validation_interval`` steps, so this all-reduce of one gradient
-    (twice) is rare.
-
-    Args:
-        diff, exact: this rank's D and G, one tensor per parameter; summed in place.
-        collective: ``runtime.collective`` (None on one process): ``all_reduce_sum_tensor``
-            (in place) where it has one, else its list form ``all_reduce_sum``.
-    """
-    return _ratio(*_summed_norms(diff, exact, collective))
-
-
-def _summed_norms(diff: list[torch.Tensor], exact: list[torch.Tensor], collective) -> tuple[float, float]:
-    """(||sum_r D_r||^2, ||sum_r G_r||^2), D and G summed over ranks in place."""
-    if collective is not None:
-        _sum_over_ranks([*diff, *exact], collective)
-    return sum(_squared(d) for d in diff), sum(_squared(e) for e in exact)
-
-
-def _sum_over_ranks(tensors: list[torch.Tensor], collective) -> None:
-    """Every tensor summed over ranks, in place, in the same order on every rank."""
-    reduce = getattr(collective, "all_reduce_sum_tensor", None)
-    if reduce is not None:
-        for t in tensors:
-            reduce(t)
-        return
-    flat = torch.cat([t.detach().flatten().double().cpu() for t in tensors])  # (n,) a stand-in's list form
-    summed = torch.tensor(collective.all_reduce_sum(flat.tolist()), dtype=torch.float64)
-    offset = 0
-    for t in tensors:
-        t.copy_(summed[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-# NOTE [ Non-finite passes ]
-# A matched pass on a microbatch whose backward overflowed (fp16 loss scaling in the first
-# steps, exactly when calibration runs) has a non-finite exact gradient: it measures nothing.
-# Its error is NaN -- never 0, which would read as "packing is free", and never stored, which
-# would make every later risk NaN and the knapsack refuse -- and the pass is dropped, counted
-# (``dropped_nonfinite``) and run again on a later microbatch. An exact gradient that is finite
-# with an approximation that is not is a real, unbounded error: inf, which tightens the risk
-# budget as far as it goes (and is never a calibration sample: s = inf would make 0 x inf).
-def _ratio(num: float, den: float) -> float:
-    """sqrt(num / den) of squared norms: NaN when ``den`` is not finite, inf when ``num`` is
-    not (or when ``den`` is 0 and ``num`` is not), 0 when both are 0."""
-    if not math.isfinite(den):
-        return math.nan
-    if not math.isfinite(num):
-        return math.inf
-    if den > 0:
-        return (num / den) ** 0.5
-    return 0.0 if num == 0 else math.inf
-
-
-# ---- ZeRO-3 ----------------------------------------------------------------------------------
-# NOTE [ Matched passes under ZeRO-3 ]
-# Under ZeRO-3 a parameter is a partition outside its module's forward and backward; DeepSpeed's
-# module hooks gather it before and release it after, also inside a pass's forward, its backward
-# and HiLoRe's recomputes there. So a pass uses the engine's own gathers: ``autograd.grad``
-# returns the full gradient of each parameter (the backward runs while the hooks hold it
-# gathered), on every rank, for that rank's microbatch -- what ZeRO-2 passes get. What the pass
-# must not change is the state the training step leaves:
-# * the coordinator's trace (NOTE [ ZeRO-3's trace and persistent parameters ] in
-#   integrations/engine.py): a pass's fetch order is not training's, and the coordinator
-#   compares every forward with its trace. While a pass runs, the offload's coordinator is a
-#   fresh one (a copy with empty containers and an invalid trace, so it records and never
-#   prefetches); training's coordinator, its trace and fetch queue are not touched at all.
-# * parameter status: parameters gathered before the pass (persistent ones, or any the script
-#   gathered) are marked owned by a module id no module has, so no hook releases them; the others
-#   are released by the hooks after their forward and backward, and any left gathered (a module
-#   whose post-backward hook never fired: the backward stops at the decoder's parameters) are
-#   partitioned after; each parameter's ``ds_active_sub_modules`` and each module's backward
-#   counters are then set back to what they were.
-# * gradients: ``autograd.grad`` runs no post-accumulate-grad hook, so DeepSpeed's reduction
-#   and its gradient partitions, and ``.grad``, are untouched.
-# Every rank runs the same passes with the same plans, so its gathers pair up. A model attached
-# to ZeRO-3 parameters without the engine integration (no offload given) gets no passes.
-def _fresh_coordinator(coordinator):
-    """A copy of DeepSpeed's ZeRO-3 parameter coordinator with empty containers (its own
-    in-flight registry, fetch queue, trace) and an invalid trace (it records, never prefetches)."""
-    fresh = copy.copy(coordinator)
-    for name, value in vars(coordinator).items():
-        if isinstance(value, (list, dict, set, collections.deque, UserDict)):
-            value = copy.copy(value)
-            value.clear()
-            setattr(fresh, name, value)
-        elif isinstance(value, tuple):  # a completed trace
-            setattr(fresh, name, [])
-    if not fresh.is_invalid_trace():
-        fresh._invalidate_trace()
-    return fresh
-
-
-_MODULE_COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining", "ds_recompute_parameters")
-
-
-def _module_counters(module) -> dict:
-    return {k: copy.copy(module.__dict__[k]) for k in _MODULE_COUNTERS if k in module.__dict__}
-
-
-def _restore_counters(module, state: dict) -> None:
-    for k in _MODULE_COUNTERS:
-        if k in state:
-            module.__dict__[k] = state[k]
-        else:
-            module.__dict__.pop(k, None)

@@ -5,13 +5,13 @@
 * the first microbatch that runs a bucket's plan, checked against the budget (``open_check`` /
   ``end_check``, NOTE [ The plan's peak, checked ]);
 * the step's peak for ``stats`` (``peak_now``), and memory that appears after a shape was
-  profiled (``charge_memory_after_profiling``);
+  profiled (``begin_step``, ``grown``, ``planned``);
 * a profile's numbers agreed over ranks (``agree``).
 
 CUDA reads the device's peak counters without resetting them (NOTE [ Shared peak counters ] in
 runtime/memory.py); CPU reads the process's in-use bytes after every aten op of those windows
 (NOTE [ Tracked on CPU ]). ``Scheduler`` (scheduler.py) owns one ``Metering`` and calls it at
-``begin_forward``, ``begin_microbatch``, ``top_grad`` and ``end_step``.
+``begin_forward``, ``begin_microbatch``, ``top_grad``, when it plans a bucket and at ``end_step``.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class Metering:
         self.tracker: PeakTracker | None = None  # CPU: the op-level window open now, if any
         self.check = None  # (bucket, plan, meter) of the microbatch whose plan's peak is checked
         self.step_meter: tuple[int, DevicePeak] | None = None  # CUDA: (step, the step's window)
+        # NOTE [ Memory that appears after profiling ]: in use at a step's first forward, by
+        # step; buckets planned in a step, charged at the next one's start
+        self.step_bases: dict[int, int] = {}
+        self.awaiting: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------------ pipeline
     def end_windows(self) -> None:
@@ -155,7 +159,7 @@ class Metering:
                 peak = max(peak, tracker.freeze())
         bucket = self.s.buckets[mb.plan_key]
         positions = {layer.index: k for k, layer in enumerate(self.s.runtime._layers)}
-        bucket.profiler.add(sample, positions, peak, self.baseline)
+        bucket.profiler.add(sample, positions, peak, self.baseline, self.s.steps)
         stats = self.s.step_stats
         stats["peak_bytes"] = max(stats["peak_bytes"] or 0, peak or 0) or None
 
@@ -248,28 +252,61 @@ class Metering:
 
     # ------------------------------------------------------------------ after profiling
     # NOTE [ Memory that appears after profiling ]
-    # A shape is profiled in the first microbatches, before the optimizer has stepped; memory
-    # created at its first step (a torch optimizer's state: AdamW's two moments, 2x the
-    # trainable parameters in fp32) is in no profiled baseline, so a plan priced then would
-    # run past an absolute budget by all of it (measured: 1.35x). So at the end of the first
-    # step (after the optimizer's), what is in use now beyond each profile's baseline is
-    # added to its baseline and to GC's peak, and the bucket is planned again: within the
-    # headroom left, or, below what GC now needs, all R with the warning ``_plan_bucket``
-    # gives. The growth is the max over ranks, so every rank plans again the same buckets.
-    # Not seen: a profile completed after the first step whose baseline (the least of its
-    # samples') comes from before it; gradients held at the baseline and freed before
-    # ``end_step`` (the growth is short by them).
+    # A shape is profiled in its first microbatches, over one step or several; memory created at
+    # the optimizer's first step (a torch optimizer's state: AdamW's two moments, 2x the
+    # trainable parameters in fp32) is in none of the samples taken before it, so a plan priced
+    # from them runs past an absolute budget by all of it (measured: 1.35x). So the bytes in use
+    # at each step's first forward are read (``begin_step``, once per step): the same point of
+    # every step, the optimizer stepped and the gradients released. A profile's samples are
+    # raised by what appeared between their step's start and the start of the step its bucket is
+    # planned in (``grown``, ``Profiler.result``), and a bucket planned in a step is charged once,
+    # at the next step's start, with what appeared since (the first optimizer step, if it came
+    # after, is then behind it): added to its baseline and GC's peak, and the bucket is planned
+    # again, within the headroom left, or, below what GC now needs, all R with the warning
+    # ``_plan_bucket`` gives. The growth is the max over ranks, so every rank plans again the
+    # same buckets. Not seen: memory created later than the first step after the planning.
+    # Parameters' gradients are left out of the readings: a trainer that keeps them between
+    # steps would otherwise have them in the growth after the first backward as well as in the
+    # profiled peaks (the backward makes them). Other memory a profiled microbatch makes and
+    # keeps (first-use caches of the libraries: 0.7 MiB on a tiny model) is counted twice: less
+    # headroom, never more.
+    def begin_step(self) -> None:
+        """The first forward of a step (NOTE [ Memory that appears after profiling ])."""
+        s = self.s
+        if s.steps in self.step_bases:
+            return
+        device = s._device()
+        self.step_bases[s.steps] = in_use_bytes(device) - _gradient_bytes(s.runtime.model, device)
+        needed = {s.steps, *self.awaiting.values()}
+        for bucket in s.buckets.values():
+            if bucket.plan is None:
+                needed.update(bucket.profiler.steps)
+        self.step_bases = {k: v for k, v in self.step_bases.items() if k in needed}
+        self.charge_memory_after_profiling()
+
+    def grown(self) -> dict[int, int]:
+        """Step -> what appeared in use between its start and this step's."""
+        now = self.step_bases.get(self.s.steps)
+        if now is None:
+            return {}
+        return {k: max(0, now - base) for k, base in self.step_bases.items()}
+
+    def planned(self, bucket) -> None:
+        """``bucket`` was planned from samples of this process: charged at the next step's start."""
+        self.awaiting[bucket.key] = self.s.steps
+
     def charge_memory_after_profiling(self) -> None:
         s = self.s
-        profiled = [b for b in s.buckets.values() if b.profile is not None]
-        if s.steps != 0 or not profiled:
+        due = [key for key, step in self.awaiting.items() if step < s.steps and key in s.buckets]
+        if not due:
             return
-        now = in_use_bytes(s._device())
-        grown = [float(max(0, now - b.profile.baseline_bytes)) for b in profiled]
+        now = self.step_bases[s.steps]
+        grown = [float(max(0, now - self.step_bases[self.awaiting.pop(key)])) for key in due]
         if s.runtime.collective is not None:
             grown = s.runtime.collective.all_reduce_max_float(grown)
-        for bucket, extra in zip(profiled, grown):
-            if extra <= 0:
+        for key, extra in zip(due, grown):
+            bucket = s.buckets[key]
+            if extra <= 0 or bucket.profile is None:
                 continue
             logger.info("ds_hilore: %.1f MiB in use appeared after %dx%d was profiled (e.g. the "
                         "optimizer's state); planned again for it", extra / 2**20, *bucket.key)
@@ -285,6 +322,18 @@ class Metering:
                                "running as GC (all R). Fix: raise the budget.", extra / 2**20,
                                *bucket.key, budgets.describe(s.config),
                                bucket.budget_bytes / 2**20, (bucket.budget_bytes - headroom) / 2**20)
+
+
+def _gradient_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of the storages the parameters' ``.grad`` tensors use on ``device``'s kind (each
+    storage once)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        g = p.grad
+        if g is not None and g.device.type == device.type:
+            storage = g.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def agree(profile: BucketProfile, collective) -> BucketProfile:

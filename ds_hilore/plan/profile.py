@@ -5,19 +5,27 @@ A shape bucket's first microbatches run all-R (as gradient checkpointing does), 
 needs more memory than GC on a shape it has not measured. While they run:
 
 * recompute time: the unit's forward, timed between its first child call and the next unit's
-  (what R re-runs in the backward; under ZeRO-3 the parameter gathers of those calls included);
+  (what R re-runs in the backward; under ZeRO-3 less the parameter fetches of those calls,
+  NOTE [ Timed the same way ]);
 * H bytes: the storages the recompute re-creates, counted once per storage, exactly as
-  ``LayerFrame`` would keep them (weights and the layer's inputs are never kept: not counted);
+  ``LayerFrame`` would keep them (weights and the layer's inputs are never kept: not counted;
+  what enters a unit, its first call's input, is kept whole: in the re-run its own storage, as
+  in the forward), and the (B, T) fp32 token norms of the unit's input, which an H or L unit
+  holds until the backward while a codec is on (exposure's token weights, ``input_norms``);
 * L bytes, pack and unpack time, and the codec's relative error: each re-created tensor is
   packed and unpacked once more, one tensor at a time, with the runtime's own code path
   (``Stored.set_rows``), so at most one tensor's packed copy is alive beyond GC's own memory;
+  the token norms as in H;
 * capture time: building the storage records of H (bookkeeping only: H keeps references),
   and what H and L do in the forward besides keeping a tensor, and R does not (NOTE [ Timed
   the same way ]; in pack time too);
 * derived tensors (NOTE [ Derived tensors ] in runtime/derived.py): no bytes; the time of the
   pointwise op that re-derives them, which H and L both pay in the backward, and the bytes they
   would hold if kept (a plan storing every unit whole keeps them when those fit: ``derives``);
-* fast-forward bytes: what a layer keeps of its first unit when only a later unit is recomputed;
+* fast-forward bytes: what a layer keeps of its first unit when only a later unit is recomputed:
+  the outputs the later unit reads and, at a call after which the RNG moved (a dropout drew),
+  a snapshot of its state (``RngState``: host tensors, 5 KiB of the CPU's memory; none of an
+  accelerator's);
 * GC's peak: the whole process, measured around the microbatch, forward, loss and backward
   (``torch.cuda.max_memory_allocated`` on CUDA; on CPU read after every aten op, NOTE [ Tracked
   on CPU ] in plan/metering.py), the max over the profiled microbatches. The trials above
@@ -56,17 +64,26 @@ with its Python costs and the other without:
   in the profiled backward as the capture is (the norms on the layer's input: the same op on
   a tensor of the unit input's shape) and added to both ``capture_s`` (H) and ``pack_s`` (L):
   the plain costs a loaded profile sets carry it, and a split (S) pays it once more on its
-  packed share, an overestimate of a few microseconds. A fast-forward's RNG snapshot (an H
-  unit before an R unit of one layer) is host state, not counted. Under ZeRO-3 the forward's
-  parameter gathers stay inside the unit's interval.
+  packed share, an overestimate of a few microseconds;
+* an H or L unit before an R unit of its layer pays, at each of its calls, a fast-forward's
+  record and RNG snapshot (``RngState``, compared with the state it would reuse): timed on
+  the host in the profiled forward where the runtime takes it, at the call's exit, left out
+  of the unit's interval, and added to ``capture_s`` and ``pack_s`` of every unit a later one
+  follows -- also where no later unit is R, an overestimate of a few microseconds per call;
+* under ZeRO-3, every action pays a unit's parameter gathers once in the backward (R's re-run
+  fetches what the backward then uses), so the profiled forward's fetches (DeepSpeed's module
+  hooks, ``fetch_sub_module``: gather, prefetch, wait) are timed with the same clock and left
+  out of every interval, as the tracker's readings are (``_Sample.fetches_left_out``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -74,7 +91,11 @@ import torch
 
 from ds_hilore.grpo.exposure import input_norms
 from ds_hilore.runtime.memory import in_use_bytes
+from ds_hilore.runtime.replay import FastForward, RngState
 from ds_hilore.runtime.storage import Counters
+
+# where DeepSpeed's ZeRO-3 fetches a module's parameters (NOTE [ Timed the same way ])
+_ZERO3_COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
 
 
 @dataclasses.dataclass
@@ -147,6 +168,9 @@ class _Sample:
         self._errors: dict[str, list[float]] = {}  # unit -> [sum err^2, sum norm^2]
         self._warm: set[tuple] = set()  # (shape, dtype) the codec has run on
         self._normed: set[tuple[int, int]] = set()  # (frame, unit) whose token norms were timed
+        self._inputs: dict[tuple[int, int], tuple] = {}  # (frame, unit) -> (unit name, input shape, dtype)
+        self._rng_states: dict[int, list[int]] = {}  # frame -> digests: its entry's, each call's exit
+        self.fetch_s = 0.0  # ZeRO-3: seconds the profiled forwards spent fetching parameters
         self.overhead_s = 0.0  # seconds spent measuring (not part of any unit's cost)
         self.peak_bytes = 0  # CPU: in-use bytes sampled at every layer boundary, both ways
         self.tracker = None  # CPU: the op-level window reading this microbatch (memory.PeakTracker)
@@ -155,10 +179,40 @@ class _Sample:
         self.peak_bytes = max(self.peak_bytes, in_use_bytes(self.device))
 
     def now(self, device: torch.device) -> float:
-        """Seconds; on CPU less those the memory tracker spent reading (NOTE [ Timed the same way ])."""
+        """Seconds, after a synchronize on CUDA (NOTE [ Timed the same way ])."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return self.clock() - (self.tracker.spent_s if self.tracker is not None else 0.0)
+        return self.host_now()
+
+    def host_now(self) -> float:
+        """Host seconds, less those the memory tracker spent reading (CPU) and ZeRO-3's forward
+        spent fetching parameters (NOTE [ Timed the same way ])."""
+        return self.clock() - (self.tracker.spent_s if self.tracker is not None else 0.0) - self.fetch_s
+
+    @contextlib.contextmanager
+    def fetches_left_out(self, device: torch.device):
+        """Around a profiled layer forward: under ZeRO-3, the parameter fetches of DeepSpeed's
+        module hooks (``fetch_sub_module``: the gather, the prefetch, the wait) are timed and
+        left out of the clock (NOTE [ Timed the same way ])."""
+        coordinator = getattr(sys.modules.get(_ZERO3_COORDINATOR), "PartitionedParameterCoordinator", None)
+        fetch = vars(coordinator).get("fetch_sub_module") if coordinator is not None else None
+        if fetch is None:
+            yield
+            return
+
+        @functools.wraps(fetch)
+        def timed(*args, **kwargs):
+            begin = self.now(device)
+            try:
+                return fetch(*args, **kwargs)
+            finally:
+                self.fetch_s += self.now(device) - begin
+
+        coordinator.fetch_sub_module = timed
+        try:
+            yield
+        finally:
+            coordinator.fetch_sub_module = fetch
 
     def unit_time(self, unit, seconds: float) -> None:
         self.costs[unit.name].recompute_s += seconds
@@ -169,8 +223,44 @@ class _Sample:
         (NOTE [ Timed the same way ])."""
         self.costs[unit.name].recompute_s -= seconds
 
-    def fast_forward(self, unit, nbytes: int) -> None:
-        self.costs[unit.name].ff_bytes += nbytes
+    def unit_input(self, frame, pos: int, x: torch.Tensor) -> None:
+        """Unit ``pos`` of ``frame`` begins on ``x``: the forward of an H / L unit keeps its
+        token norms (``input_norms``) until the backward; counted in ``finish``."""
+        self._inputs[(id(frame), pos)] = (frame.layer.units[pos].name, tuple(x.shape), x.dtype)
+
+    def fast_forward(self, frame, pos: int, call: int, output) -> None:
+        """Call ``call`` of unit ``pos`` returned ``output``: what a fast-forward of it keeps
+        when a later unit of the layer is R (the outputs in the cut, and the RNG state at its
+        exit when that moved since the state it would reuse), and the seconds the forward of
+        an H / L unit spends taking it (NOTE [ Timed the same way ]). Measurement only: out of
+        the recompute time of the unit whose interval is open."""
+        begin = self.host_now()
+        cost = self.costs[frame.layer.units[pos].name]
+        with self.tracker.paused() if self.tracker is not None else contextlib.nullcontext():
+            start = self.host_now()
+            rng = RngState(frame.device)
+            rng.same_as(rng)  # the runtime compares it with the state it would reuse
+            ff = FastForward(output, call, frame.split.cut, rng)
+            seconds = self.host_now() - start
+            cost.ff_bytes += ff.nbytes() + (rng.nbytes() if self._rng_moved(frame, pos, call, rng) else 0)
+            cost.capture_s += seconds
+            cost.pack_s += seconds
+            del rng, ff  # freed before the tracker reads again
+        spent = self.host_now() - begin
+        self.costs[frame.layer.units[frame.clock[-1][0]].name].recompute_s -= spent
+        self.overhead_s += spent
+
+    def _rng_moved(self, frame, pos: int, call: int, rng: RngState) -> bool:
+        """Whether the runtime would keep a snapshot of its own at the exit of ``call``: the RNG
+        moved since the state it would reuse (``LayerFrame._leave_child``), the previous call's
+        exit when that call is of the same unit, else that or, when the unit before is R, the
+        layer's entry (moved from either counts). Compared by digest: no snapshot is kept."""
+        states = self._rng_states.setdefault(id(frame), [_digest(frame.rng)])
+        here = _digest(rng)
+        same_unit = call > 0 and frame.split.unit_of_call(call - 1) == pos
+        reused = {states[-1]} if same_unit else {states[0], states[-1]}
+        states.append(here)
+        return reused != {here}
 
     def saved_tensor(self, frame, pos: int, t: torch.Tensor, derived=None) -> None:
         """A tensor the recompute of unit ``pos`` re-created: bytes and codec costs; or, when
@@ -249,6 +339,11 @@ class _Sample:
             acc[1] += n
 
     def finish(self, layer_positions: dict[int, int]) -> list[UnitCost]:
+        for name, shape, dtype in self._inputs.values():  # the token norms an H / L unit holds
+            norms = input_norms(torch.empty(shape, dtype=dtype, device="meta"))
+            if norms is not None:
+                self.costs[name].h_bytes += norms.untyped_storage().nbytes()
+                self.costs[name].l_bytes += norms.untyped_storage().nbytes()
         for name, cost in self.costs.items():
             cost.layer = layer_positions[self._layer_of[name]]
             cost.recompute_s = max(cost.recompute_s, 0.0)  # a recognition at a unit boundary
@@ -267,6 +362,7 @@ class Profiler:
         self.samples: list[list[UnitCost]] = []
         self.peaks: list[int | None] = []  # None: a timed sample, not metered (CPU)
         self.baselines: list[int] = []
+        self.steps: list[int] = []  # the step each sample was taken in
         self.seconds = 0.0
 
     @property
@@ -276,13 +372,19 @@ class Profiler:
     def sample(self, units, device: torch.device) -> _Sample:
         return _Sample(units, device)
 
-    def add(self, sample: _Sample, layer_positions: dict[int, int], peak: int | None, baseline: int) -> None:
+    def add(self, sample: _Sample, layer_positions: dict[int, int], peak: int | None, baseline: int,
+            step: int = 0) -> None:
         self.samples.append(sample.finish(layer_positions))
         self.peaks.append(peak)
         self.baselines.append(baseline)
+        self.steps.append(step)
         self.seconds += sample.overhead_s
 
-    def result(self) -> BucketProfile:
+    def result(self, grown: dict[int, int] | None = None) -> BucketProfile:
+        """``grown``: step -> the memory that appeared after that step's start, up to now
+        (NOTE [ Memory that appears after profiling ] in plan/metering.py): each sample's peak
+        and baseline are raised by it, so samples from before an optimizer's first step are
+        read as if taken now."""
         used = self.samples[1:] if len(self.samples) > 1 else self.samples
         units = []
         for per_unit in zip(*used):
@@ -294,9 +396,17 @@ class Profiler:
                 setattr(merged, field, max(getattr(u, field) for u in per_unit))  # exact: the largest
             exclude_nonfinite(merged)
             units.append(merged)
-        return BucketProfile(self.key, units, gc_peak_bytes=max(p for p in self.peaks if p is not None),
-                             baseline_bytes=min(self.baselines), repeats=len(used),
-                             seconds=self.seconds)
+        shift = [(grown or {}).get(k, 0) for k in self.steps]
+        return BucketProfile(self.key, units,
+                             gc_peak_bytes=max(p + d for p, d in zip(self.peaks, shift) if p is not None),
+                             baseline_bytes=min(b + d for b, d in zip(self.baselines, shift)),
+                             repeats=len(used), seconds=self.seconds)
+
+
+def _digest(rng: RngState) -> int:
+    """An RNG snapshot's state, to compare with another's without keeping it."""
+    states = [rng.cpu] + ([rng.device[1]] if rng.device is not None else [])
+    return hash(tuple(s.numpy().tobytes() for s in states))
 
 
 def exclude_nonfinite(cost: UnitCost) -> None:

@@ -45,7 +45,7 @@ over the step's micro-steps m and ranks r, e_step = |sum_{m,r} dg_{m,r}| / |sum_
 * Ranks: the after-forward decision reads the element-wise max over ranks of every unit's
   sum_u s eps E_{u,S} / M_ref (one decision, the riskiest rank's); the step's estimate sums
   risks and masses over ranks; validation measures the error of the gradient summed over the
-  step's micro-steps and ranks (NOTE [ The step's error over ranks ] in calibrate.py).
+  step's micro-steps and ranks (NOTE [ The step's error over ranks ] in grad_error.py).
 Checkable scale: with M_ref the step's actual mean, sum of a step's risks = stats
 ``grad_error_est``, to be compared with ``grad_error_measured`` (the same step's e_step).
 """

@@ -16,7 +16,10 @@ NOTE [ One microbatch ]
                       training's RNG untouched and the accumulated gradients never touched
 
 The runtime calls these (NOTE [ Policy ] in runtime/core.py); the decisions are plain functions
-(allocate.py, risk.py, knapsack.py).
+(allocate.py, risk.py, knapsack.py). Here: the pipeline, a bucket's planning and the risk fit.
+Alongside: a shape bucket and its prices (buckets.py), the risk of a microbatch's slices and
+where its exposure quartiles went (slices.py), the memory windows (metering.py), the matched
+passes (calibrate.py).
 """
 
 from __future__ import annotations
@@ -31,32 +34,16 @@ import torch
 
 from ds_hilore.plan import budget as budgets
 from ds_hilore.plan.allocate import Plan, allocate
+from ds_hilore.plan.buckets import Bucket, input_shape, kept_rows, priced_for_longest, stores_all
 from ds_hilore.plan.calibrate import MatchedPasses
 from ds_hilore.plan.metering import Metering, agree
 from ds_hilore.plan.profile import BucketProfile, Profiler
-from ds_hilore.plan.risk import RiskModel, StepExposure, group_of, quartile_rows
+from ds_hilore.plan.risk import RiskModel, StepExposure
+from ds_hilore.plan.slices import count_slices, quartile_shares, unit_risks
 from ds_hilore.plan.validate import LeaveOneOut
 from ds_hilore.runtime.elision import unverified_rows_to_r
 
 logger = logging.getLogger("ds_hilore")
-
-
-@dataclasses.dataclass
-class Bucket:
-    key: tuple[int, int]
-    profiler: Profiler
-    profile: BucketProfile | None = None
-    plan: Plan | None = None
-    budget_bytes: int | None = None
-    budget_bound: str | None = None  # which bound set it: the stated key, or "device" (budget.py)
-    loo: LeaveOneOut | None = None  # NOTE [ Leave-one-out ], while it runs
-    excluded: set[int] = dataclasses.field(default_factory=set)  # layers leave-one-out sent to R
-    loo_utilities: dict[int, float] | None = None  # seconds per layer, measured jointly
-    shortest: int | None = None  # positions of the shortest profiled microbatch, over ranks
-    byte_scale: dict[str, float] | None = None  # bytes x this per unit kind, for the longest
-    headroom_cut: int = 0  # bytes taken off the headroom (NOTE [ The plan's peak, checked ] in metering.py)
-    checked: Plan | None = None  # the last plan whose peak was checked
-    fit_actions: dict[str, str] | None = None  # of the last checked plan within the budget
 
 
 class Scheduler:
@@ -96,7 +83,8 @@ class Scheduler:
             return
         begin = time.perf_counter()
         self.metering.end_windows()
-        self.rows_here, length = _shape(args, kwargs)
+        self.metering.begin_step()  # NOTE [ Memory that appears after profiling ]
+        self.rows_here, length = input_shape(args, kwargs)
         key, shortest = self._bucket_key(self.rows_here, length)
         bucket = self.buckets.get(key)
         if bucket is None:
@@ -184,7 +172,6 @@ class Scheduler:
             return
         self.metering.end_windows()  # before the matched passes: they are not the step's plan
         self.passes.run()
-        self.metering.charge_memory_after_profiling()  # NOTE [ Memory that appears after profiling ]
         self.step_stats["grad_error_est_step"] = self.step_exposure.close(self.runtime.collective)
         self.steps += 1
         self.step_stats["alloc_s"] = self.alloc_s
@@ -197,7 +184,7 @@ class Scheduler:
         plan stores every unit whole (nothing was short of memory; eliding them would only copy
         the other sequences out, NOTE [ Exact zeros ] in runtime/storage.py)."""
         bucket = self.buckets.get(mb.plan_key)
-        return not self.passes.running and bucket is not None and _stores_all(bucket)
+        return not self.passes.running and bucket is not None and stores_all(bucket)
 
     def derives(self, bucket: Bucket) -> bool:
         """Whether the units re-derive their pointwise tensors (NOTE [ Derived tensors ] in
@@ -205,7 +192,7 @@ class Scheduler:
         too still fits the headroom -- nothing is short of memory, deriving would only cost time.
         Always while the bucket is profiled: the profile measures what deriving saves."""
         plan = bucket.plan
-        if plan is None or not _stores_all(bucket):
+        if plan is None or not stores_all(bucket):
             return True
         kept = sum(c.derived_bytes for c in bucket.profile.units if plan.actions.get(c.name) == "H")
         return plan.memory_bytes + kept > plan.headroom_bytes
@@ -250,7 +237,7 @@ class Scheduler:
                 "grad_error_measured": s.get("grad_error_measured"),
                 "grad_error_est_microbatch": est["microbatches"],
                 "grad_error_measured_microbatch": s.get("grad_error_measured_microbatch"),
-                "exposure_quartiles": _quartile_shares(s.get("exposure_slices")),
+                "exposure_quartiles": quartile_shares(s.get("exposure_slices")),
                 "predicted_microbatches": s.get("predicted_microbatches", 0),
                 "alloc_s": s.get("alloc_s", self.alloc_s),
                 "risk_budget": self.config.grad_error_tolerance * self.tighten,
@@ -292,14 +279,17 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
     def _plan_bucket(self, bucket: Bucket, profiled: bool = True) -> None:
         if profiled:
-            bucket.profile = self._agree(bucket.profiler.result())
+            # NOTE [ Memory that appears after profiling ] in plan/metering.py
+            bucket.profile = self._agree(bucket.profiler.result(self.metering.grown()))
+            self.metering.planned(bucket)
         profile = bucket.profile
         device = self._device()
         bucket.budget_bytes, bound = budgets.budget_and_bound(self.config, profile.gc_peak_bytes, device)
         bucket.budget_bound = bound
+        # m x GC's peak (NOTE [ Priced for the bucket's longest ] in buckets.py)
         relative = bound != "device" and self.config.memory_budget_bytes is None and \
-            self.config.memory_fraction is None  # m x GC's peak (NOTE [ Priced for the bucket's longest ])
-        bucket.byte_scale, gc_peak = _longest(bucket, relative)
+            self.config.memory_fraction is None
+        bucket.byte_scale, gc_peak = priced_for_longest(bucket, relative)
         headroom = bucket.budget_bytes - gc_peak - bucket.headroom_cut
         if headroom < 0 and profiled:  # once per shape; replans reuse the same numbers
             logger.warning("ds_hilore: the memory budget (%s: %.1f MiB per rank) is below what "
@@ -335,7 +325,7 @@ class Scheduler:
             plan = dataclasses.replace(plan, actions={
                 n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
-        elide = bool(expected) and not _stores_all(bucket) and \
+        elide = bool(expected) and not stores_all(bucket) and \
             self.runtime.config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
         if bucket.loo is None:
             plan = self._plan_for_rows(bucket, expected if elide else None)
@@ -410,11 +400,11 @@ class Scheduler:
         if key not in self.row_plans:
             if len(self.row_plans) > 64:
                 self.row_plans.clear()
-            profile = _kept_rows(bucket.profile, int(kept), batch)
+            profile = kept_rows(bucket.profile, int(kept), batch)
             self.row_plans[key] = (bucket.plan, allocate(
                 profile, self.risk.scaled(rho), bucket.plan.headroom_bytes, self._risk_budget(),
                 self.runtime._codec is not None, excluded=frozenset(bucket.excluded),
-                byte_scale=bucket.byte_scale))  # NOTE [ Priced for the bucket's longest ]
+                byte_scale=bucket.byte_scale))  # NOTE [ Priced for the bucket's longest ] in buckets.py
         return self.row_plans[key][1]
 
     def _start_loo(self, bucket: Bucket) -> None:
@@ -462,7 +452,7 @@ class Scheduler:
         predicted = getattr(mb, "predicted", None) or (None, None)
         reference = self.step_exposure.reference(
             total_mass, sum(predicted[0]) if predicted[0] else None, predicted[1])
-        risks = self._unit_risks(mb, bucket, mass, exposure)  # name -> s eps E_{u,S}
+        risks = unit_risks(self.risk, mb, bucket, mass, exposure)  # name -> s eps E_{u,S}
         names = [u.name for u in self.runtime.units]
         scaled = [risks.get(n, 0.0) / reference if reference > 0 else 0.0 for n in names]
         collective = self.runtime.collective
@@ -480,60 +470,13 @@ class Scheduler:
             downgraded.append(unit.name)
             total -= scaled[k]
             risks.pop(unit.name, None)
-        self._count_slices(mb, mass)
+        count_slices(self.step_stats, mb, mass)
         return sum(risks.values()), total_mass, downgraded
 
     def _read_exposure(self, mb) -> tuple[list[float], dict[str, list[float]]]:
         """(M_i per sequence, E_{u,i} per unit and sequence) of ``mb``, read by the runtime with
         the coefficients (NOTE [ Two reads per microbatch ] in runtime/reads.py)."""
         return mb.exposure_lists()
-
-    def _unit_risks(self, mb, bucket: Bucket, mass, exposure) -> dict[str, float]:
-        """s eps_u E_{u,S} of every unit with packed rows S (E_{u,S} from the unit's token
-        weights; without them the rows' mass sum_{i in S} M_i)."""
-        costs = {c.name: c for c in bucket.profile.units}
-        n_layers = 1 + max(c.layer for c in costs.values())
-        risks = {}
-        for frame in mb.live_frames():
-            for pos, unit in enumerate(frame.layer.units):
-                if frame.plan.actions[pos] == "R" or unit.name not in costs:
-                    continue
-                packed = [i for i, state in enumerate(_row_states(frame, pos)) if state == "L"]
-                if not packed:
-                    continue
-                values = exposure.get(unit.name) or mass
-                exposed = sum(values[i] for i in packed if i < len(values))
-                cost = costs[unit.name]
-                risks[unit.name] = self.risk.risk(group_of(cost.kind, cost.layer, n_layers),
-                                                  cost.rel_error, exposed)
-        return risks
-
-    def _count_slices(self, mb, mass: list[float]) -> None:
-        """Where H, L (bytes) and R (unit-sequence slices) went: on the top and the bottom
-        exposure quartile of the sequences (by M_i), and in all (``exposure_quartiles``). A
-        microbatch without exposure (every ω zero) has no quartiles: not counted, or its
-        recomputed units would fill both ends, picked by row index."""
-        if len(mass) < 2 or not any(mass):
-            return
-        top, bottom = quartile_rows(mass)
-        tally = self.step_stats.setdefault("exposure_slices", {})
-        for frame in mb.live_frames():
-            if frame.sequences != len(mass):
-                continue
-            for pos in range(len(frame.layer.units)):
-                if frame.plan.actions[pos] == "R":
-                    states, per_state = ["R"] * frame.sequences, {}
-                else:
-                    states = _row_states(frame, pos)
-                    _, nbytes = frame.unit_summary(pos)
-                    per_state = {a: nbytes.get(a, 0) / max(1, states.count(a)) for a in "HL"}
-                for i, state in enumerate(states):
-                    if state in ("H", "L", "R"):
-                        row = tally.setdefault(state, [0.0, 0.0, 0.0])  # top, bottom, all
-                        value = per_state[state] if state != "R" else 1.0
-                        row[0] += value if i in top else 0.0
-                        row[1] += value if i in bottom else 0.0
-                        row[2] += value
 
     def _estimates(self, stats: dict) -> dict:
         """The step's estimate (sum of its risks, NOTE [ Risk in step units ]) and each
@@ -556,7 +499,7 @@ class Scheduler:
         (an uneven last microbatch, a dynamic batch size): its per-sequence rows are sized from
         its own sequences (``rows_here``), never from the bucket's; its plan, priced for the
         bucket's most sequences, only keeps fewer bytes. Also returned: the shortest length
-        over ranks (NOTE [ Priced for the bucket's longest ])."""
+        over ranks (NOTE [ Priced for the bucket's longest ] in buckets.py)."""
         collective = self.runtime.collective
         shortest = length
         if collective is not None:
@@ -580,81 +523,3 @@ class Scheduler:
     def _reset_step(self) -> None:
         self.alloc_s = 0.0
         self.step_stats = {"peak_bytes": None, "grad_error_est": [], "grad_error_measured": None}
-
-
-# NOTE [ Priced for the bucket's longest ]
-# A bucket holds every length in (L/2, L] (L a power of two), its profile comes from its first
-# microbatches, and its plan runs on all of them: priced at the profiled lengths, a plan run at
-# L keeps more than it was priced for (measured: 1.13x the budget, profiled at 66, run at 128).
-# So bytes are priced for L, from the shortest profiled length T0 (over ranks and profiled
-# microbatches, saved with the profile; a profile given without it, by a state of an earlier
-# version or by hand, is taken as measured at L), r = L/T0:
-# * a unit's saved bytes grow with T at most like its tensors do: an MLP is per token, its
-#   tensors are (B, T, .) -- x r exactly; attention (and a whole-layer unit) may save (B, h, T,
-#   T) scores -- x r^2 bounds it (its per-token tensors grow less). The profile's bytes are
-#   medians over microbatches no shorter than T0, so they are at least the bytes at T0, and
-#   the scaled price is at least what the plan keeps at any length of the bucket.
-# * a relative budget (memory_budget x GC's peak) leaves headroom (m - 1) x GC's peak; GC's
-#   peak only grows with T, so the profiled one is a lower bound of GC's at L and the
-#   headroom priced from it never exceeds what the budget allows there: peak(T) <= GC(T) +
-#   kept(T) <= GC(T) + (m - 1) GC(T0) <= m GC(T).
-# * an absolute budget (bytes, a fraction of the device, or the device's own bound) must hold
-#   GC's peak at L: it is bounded by the baseline (weights, optimizer state: no T) plus the
-#   part above it x r^2 (every activation, logits included, grows at most like T^2; gradients
-#   of the parameters do not grow at all, so this overestimates): safe, and exact at r = 1.
-# Times are not scaled: they rank options, they do not bound anything.
-def _longest(bucket: Bucket, relative: bool) -> tuple[dict[str, float], int]:
-    """(bytes factor per unit kind, GC's peak to plan under) for the bucket's longest length."""
-    profile, length = bucket.profile, bucket.key[1]
-    shortest = bucket.shortest or length
-    r = length / max(1, min(shortest, length))
-    byte_scale = {c.kind: (r if c.kind == "mlp" else r * r) for c in profile.units}
-    gc_peak = profile.gc_peak_bytes
-    if not relative:
-        above = max(0, gc_peak - profile.baseline_bytes)
-        gc_peak = profile.baseline_bytes + math.ceil(above * r * r)
-    return byte_scale, gc_peak
-
-
-def _shape(args, kwargs) -> tuple[int, int]:
-    """(sequences, positions) of a forward's input ids or embeddings; (1, 1) when none."""
-    ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    if ids is None:
-        ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    return (ids.shape[0], ids.shape[1]) if ids is not None and ids.dim() >= 2 else (1, 1)
-
-
-def _row_states(frame, pos: int) -> list[str]:
-    states = None
-    for stored in frame.units[pos].stored:
-        if stored.sliceable:
-            states = stored.row_states()
-            if "L" in states:
-                return states
-    return states or ["H"] * frame.batch
-
-
-def _stores_all(bucket: Bucket) -> bool:
-    """The bucket's plan keeps every unit whole (H): no memory is short (``keeps_whole``)."""
-    return bucket.plan is not None and all(a == "H" for a in bucket.plan.actions.values())
-
-
-def _quartile_shares(tally: dict | None) -> dict | None:
-    """Shares of H and L bytes (R: of recomputed slices) on the top and the bottom exposure
-    quartile of the sequences, over the step's fitted microbatches."""
-    if not tally:
-        return None
-    return {a: {"top": t / n, "bottom": b / n} for a, (t, b, n) in tally.items() if n > 0}
-
-
-def _kept_rows(profile: BucketProfile, kept: int, batch: int) -> BucketProfile:
-    """``profile`` priced for ``kept`` of its ``batch`` sequences (NOTE [ Freed memory is spent ])."""
-    units = []
-    for cost in profile.units:
-        if cost.sliceable and cost.rows == batch and kept < batch:
-            k = kept / batch
-            cost = dataclasses.replace(cost, h_bytes=math.ceil(cost.h_bytes * k),
-                                       l_bytes=math.ceil(cost.l_bytes * k), pack_s=cost.pack_s * k,
-                                       unpack_s=cost.unpack_s * k, rows=max(kept, 1))
-        units.append(cost)
-    return dataclasses.replace(profile, units=units)

@@ -153,10 +153,13 @@ class LayerFrame:
         self.autocast = autocast_state(self.device.type)
         self.autocast_cache = torch.is_autocast_cache_enabled()
         profile = self.ctx.profile
+        fetches = contextlib.nullcontext()
         if profile is not None:
             self.clock = [(0, profile.now(self.device))]
+            fetches = profile.fetches_left_out(self.device)  # ZeRO-3 (NOTE [ Timed the same way ])
         try:
-            with self._child_hooks(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with fetches, self._child_hooks(), \
+                    torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = self.fn(*self.args)
         finally:
             for unit in self.units:  # autograd nodes hold slots, slots hold this frame: no cycle
@@ -198,6 +201,8 @@ class LayerFrame:
                 self.boundary.add(first.untyped_storage().data_ptr())
                 if self.plan.actions[pos] != "R" and self.ctx.codec is not None:
                     self.units[pos].token_norms = input_norms(first)  # exposure's token weights
+                if self.ctx.profile is not None and self.ctx.codec is not None:
+                    self.ctx.profile.unit_input(self, pos, first)  # the norms H / L would hold
         self.current = pos
 
     def _leave_child(self, output) -> None:
@@ -206,10 +211,9 @@ class LayerFrame:
             return
         call = len(self.calls) - 1
         pos = self.split.unit_of_call(call)
-        if self.ctx.profile is not None and pos + 1 < len(self.units):
-            # what a fast-forward of this call would keep when a later unit is recomputed
-            self.ctx.profile.fast_forward(self.layer.units[pos],
-                                          FastForward(output, call, self.split.cut, None).nbytes())
+        if self.ctx.profile is not None and self.follows and pos + 1 < len(self.units):
+            # what a fast-forward of this call would keep and cost when a later unit is recomputed
+            self.ctx.profile.fast_forward(self, pos, call, output)
         if self.follows and self.plan.needs_fast_forward(pos):
             # code of the layer body after this call (e.g. a dropout) draws from the RNG as it
             # is at the call's exit; a fast-forward must leave it there too
@@ -303,6 +307,7 @@ class LayerFrame:
                     slot.ref = slot.stored = None
             unit.stored.clear()
             unit.by_ptr.clear()
+            unit.token_norms = None  # exposure weighs kept units only
             self.plan.actions[pos] = "R"
             if not self.plan.needs_fast_forward(pos):
                 self._drop_fast_forward(pos)
@@ -326,6 +331,8 @@ class LayerFrame:
             states.update(stored.row_states())
             for k, v in stored.bytes_by_action().items():
                 total[k] += v
+        # a fast-forward's outputs; not the RNG state it may take (5 KiB host tensors, in the
+        # profile's ff_bytes: NOTE [ Profiling ] in plan/profile.py)
         total["H"] += sum(ff.nbytes() for c, ff in self.ff.items()
                           if self.split.unit_of_call(c) == pos)
         if unit.token_norms is not None:  # exposure's token weights, (B, T) fp32
@@ -376,12 +383,18 @@ class LayerFrame:
         self.rc_need = need
         for unit in self.units:
             unit.rc_count = 0
-        replay = Replay(self.layer.module, tuple(self.calls), skip, self._recompute_pack, stop)
+        profiled = self.ctx.profile is not None
+        replay = Replay(self.layer.module, tuple(self.calls), skip, self._recompute_pack, stop,
+                        self._rerun_call if profiled else None)
+        boundary = self.boundary
+        if profiled:  # the re-run's own storages enter its units (NOTE [ Profiling ])
+            self.boundary = set()
         try:
             with self.ctx.counters.timed("recompute_s", self.device), \
                     replay_autocast(self.autocast, self.autocast_cache):
                 replay.run(self.fn, self.args, self.rng)
         finally:
+            self.boundary = boundary
             for unit in self.units:
                 unit.nodes.clear()
         for p in need:
@@ -390,6 +403,15 @@ class LayerFrame:
                           f"tensors, forward saved {len(self.units[p].shapes)}")
         self.ff.clear()  # used; a second backward re-runs those units
         self.ctx.counters.recomputed_units += len(need)
+
+    def _rerun_call(self, call: int, args, kwargs) -> None:
+        """A profiled re-run reaches ``call``: the input of a unit's first call enters the unit,
+        as in the forward (``_enter_child``), and is never packed or derived."""
+        if call and self.split.unit_of_call(call - 1) == self.split.unit_of_call(call):
+            return
+        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        if first is not None:
+            self.boundary.add(first.untyped_storage().data_ptr())
 
     def _recompute_pack(self, segment: int, t: torch.Tensor) -> None:
         pos = self.split.unit_of_segment(segment)

@@ -62,11 +62,12 @@ class Microbatch:
         plan/profile.py)."""
         if self.profile is None:
             return self._weights(t, module)
-        begin = self.profile.clock()
+        begin = self.profile.host_now()
         ref = self._weights(t, module)
         frame = self.frame(self.last_layer)
         if frame is not None:
-            self.profile.weight_recognition(frame.layer.units[frame.current], self.profile.clock() - begin)
+            self.profile.weight_recognition(frame.layer.units[frame.current],
+                                            self.profile.host_now() - begin)
         return ref
 
     # NOTE [ Collective fallback ]

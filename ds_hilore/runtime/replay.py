@@ -56,6 +56,12 @@ class RngState:
         return torch.equal(self.cpu, other.cpu) and (
             self.device is None or torch.equal(self.device[1], other.device[1]))
 
+    def nbytes(self) -> int:
+        """Bytes it holds in its device's memory: the states are host tensors, so an
+        accelerator's memory holds none of them."""
+        states = [self.cpu] + ([self.device[1]] if self.device is not None else [])
+        return sum(s.untyped_storage().nbytes() for s in states if s.device.type == self.where.type)
+
 
 def autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
@@ -110,6 +116,7 @@ class FastForward:
         return tree_unflatten([placeholder(x) if _is_spec(x) else x for x in self.leaves], self.spec)
 
     def nbytes(self) -> int:
+        """Bytes of the outputs it keeps (its RNG state: ``RngState.nbytes``)."""
         return sum(x.untyped_storage().nbytes() for x in self.leaves if isinstance(x, torch.Tensor))
 
 
@@ -158,13 +165,15 @@ class Replay:
     and raises ``StopReplay`` when it has what it needs: the re-run stops inside that op, as
     torch's non-reentrant checkpoint does -- running on to the end of the module would fire
     its post-forward hooks, and ZeRO-3's would release the parameters the backward just
-    gathered. The training RNG stream is left where it was.
+    gathered. ``on_call(call, args, kwargs)``, if given, sees every call that runs, before it
+    runs. The training RNG stream is left where it was.
     """
 
     def __init__(self, module: nn.Module, calls: tuple[str, ...], skip: dict[int, Callable],
-                 on_save: Callable[[int, torch.Tensor], None], stop_call: int | None = None):
+                 on_save: Callable[[int, torch.Tensor], None], stop_call: int | None = None,
+                 on_call: Callable[[int, tuple, dict], None] | None = None):
         self.module, self.calls, self.skip, self.on_save = module, calls, skip, on_save
-        self.stop_call = stop_call
+        self.stop_call, self.on_call = stop_call, on_call
         self.call = 0
         self.segment = 0
 
@@ -199,6 +208,8 @@ class Replay:
         if call in self.skip:
             out = self.skip[call]()
         else:
+            if self.on_call is not None:
+                self.on_call(call, args, kwargs)
             self.segment = 2 * call + 1
             out = original(*args, **kwargs)
         self.segment = 2 * call + 2

@@ -17,13 +17,11 @@ per optimizer step the global gradient norm the engine clipped with.
 from __future__ import annotations
 
 import argparse
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from tests.launch import write_result
+from tests.launch import run_cases
 from tests.workers.ds_engine_worker import build_model, plan_splits, record_recomputes
 
 SEED = 4321
@@ -118,16 +116,8 @@ def main() -> None:
     torch.set_num_threads(1)
     log: list = []
     record_recomputes(log)
-    started, results = time.perf_counter(), {}
-    for case in args.case:
-        print(f"[collective_plans_worker] case {case}", flush=True)  # locates a failure
-        try:
-            results[case] = run_case(case, args, log)
-        except Exception:  # reported per case; a rank left waiting in a collective times out
-            traceback.print_exc()
-            results[case] = {"error": traceback.format_exc()}
-    write_result(args.result_dir, dist.get_rank(), {
-        "rank": dist.get_rank(), "cases": results, "seconds": time.perf_counter() - started})
+    run_cases("collective_plans_worker", args.case, lambda case: run_case(case, args, log),
+              args.result_dir)
 
 
 if __name__ == "__main__":

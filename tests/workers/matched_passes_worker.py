@@ -23,14 +23,14 @@ status and owners, each module's backward counters); and the SHA-256 of every fi
 from __future__ import annotations
 
 import argparse
-import time
-import traceback
 
 import deepspeed
+import pytest
 import torch
 import torch.distributed as dist
 
-from tests.launch import write_result
+from tests.launch import run_cases
+from tests.models import equal_utilities
 from tests.workers.ds_engine_worker import build_model, digest, plan_splits
 
 SEED = 2468
@@ -127,26 +127,10 @@ def run_case(case: str, args) -> dict:
     return record
 
 
-def fix_profile_times() -> None:
-    """Every unit's measured times replaced by fixed ones (as tests/models.py's
-    ``equal_utilities``): the engines' plans, and so the errors compared across them, do not
-    depend on the machine's load."""
-    from ds_hilore.plan.profile import Profiler
-
-    result = Profiler.result
-
-    def fixed(self):
-        profile = result(self)
-        for cost in profile.units:
-            cost.recompute_s, cost.capture_s, cost.derive_s = 1.0, 0.0, 0.0
-            cost.pack_s = cost.unpack_s = 2.0
-        return profile
-
-    Profiler.result = fixed
-
-
 def main() -> None:
-    fix_profile_times()
+    # fixed times (never undone: the process ends with its cases): the engines' plans, and so
+    # the errors compared across them, do not depend on the machine's load
+    equal_utilities(pytest.MonkeyPatch())
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", action="append", required=True)
     parser.add_argument("--result_dir", required=True)
@@ -154,16 +138,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed runner passes it
     args = parser.parse_args()
     torch.set_num_threads(1)
-    started, results = time.perf_counter(), {}
-    for case in args.case:
-        print(f"[matched_passes_worker] case {case}", flush=True)  # locates a failure
-        try:
-            results[case] = run_case(case, args)
-        except Exception:  # reported per case; a rank left waiting in a collective times out
-            traceback.print_exc()
-            results[case] = {"error": traceback.format_exc()}
-    write_result(args.result_dir, dist.get_rank(), {
-        "rank": dist.get_rank(), "cases": results, "seconds": time.perf_counter() - started})
+    run_cases("matched_passes_worker", args.case, lambda case: run_case(case, args), args.result_dir)
 
 
 if __name__ == "__main__":

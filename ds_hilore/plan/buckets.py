@@ -1,0 +1,97 @@
+"""A shape bucket: what the scheduler keeps per (sequences, length rounded up to a power of
+two), and the prices its plan is made at, those of its longest length (NOTE [ Priced for the
+bucket's longest ]).
+
+Used by ``Scheduler`` (scheduler.py), which makes a bucket per shape and plans it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ds_hilore.plan.allocate import Plan
+from ds_hilore.plan.profile import BucketProfile, Profiler
+from ds_hilore.plan.validate import LeaveOneOut
+
+
+@dataclasses.dataclass
+class Bucket:
+    key: tuple[int, int]
+    profiler: Profiler
+    profile: BucketProfile | None = None
+    plan: Plan | None = None
+    budget_bytes: int | None = None
+    budget_bound: str | None = None  # which bound set it: the stated key, or "device" (budget.py)
+    loo: LeaveOneOut | None = None  # NOTE [ Leave-one-out ], while it runs
+    excluded: set[int] = dataclasses.field(default_factory=set)  # layers leave-one-out sent to R
+    loo_utilities: dict[int, float] | None = None  # seconds per layer, measured jointly
+    shortest: int | None = None  # positions of the shortest profiled microbatch, over ranks
+    byte_scale: dict[str, float] | None = None  # bytes x this per unit kind, for the longest
+    headroom_cut: int = 0  # bytes taken off the headroom (NOTE [ The plan's peak, checked ] in metering.py)
+    checked: Plan | None = None  # the last plan whose peak was checked
+    fit_actions: dict[str, str] | None = None  # of the last checked plan within the budget
+
+
+# NOTE [ Priced for the bucket's longest ]
+# A bucket holds every length in (L/2, L] (L a power of two), its profile comes from its first
+# microbatches, and its plan runs on all of them: priced at the profiled lengths, a plan run at
+# L keeps more than it was priced for (measured: 1.13x the budget, profiled at 66, run at 128).
+# So bytes are priced for L, from the shortest profiled length T0 (over ranks and profiled
+# microbatches, saved with the profile; a profile given without it, by a state of an earlier
+# version or by hand, is taken as measured at L), r = L/T0:
+# * a unit's saved bytes grow with T at most like its tensors do: an MLP is per token, its
+#   tensors are (B, T, .) -- x r exactly; attention (and a whole-layer unit) may save (B, h, T,
+#   T) scores -- x r^2 bounds it (its per-token tensors grow less). The profile's bytes are
+#   medians over microbatches no shorter than T0, so they are at least the bytes at T0, and
+#   the scaled price is at least what the plan keeps at any length of the bucket.
+# * a relative budget (memory_budget x GC's peak) leaves headroom (m - 1) x GC's peak; GC's
+#   peak only grows with T, so the profiled one is a lower bound of GC's at L and the
+#   headroom priced from it never exceeds what the budget allows there: peak(T) <= GC(T) +
+#   kept(T) <= GC(T) + (m - 1) GC(T0) <= m GC(T).
+# * an absolute budget (bytes, a fraction of the device, or the device's own bound) must hold
+#   GC's peak at L: it is bounded by the baseline (weights, optimizer state: no T) plus the
+#   part above it x r^2 (every activation, logits included, grows at most like T^2; gradients
+#   of the parameters do not grow at all, so this overestimates): safe, and exact at r = 1.
+# Times are not scaled: they rank options, they do not bound anything.
+def priced_for_longest(bucket: Bucket, relative: bool) -> tuple[dict[str, float], int]:
+    """(bytes factor per unit kind, GC's peak to plan under) for the bucket's longest length."""
+    profile, length = bucket.profile, bucket.key[1]
+    shortest = bucket.shortest or length
+    r = length / max(1, min(shortest, length))
+    byte_scale = {c.kind: (r if c.kind == "mlp" else r * r) for c in profile.units}
+    gc_peak = profile.gc_peak_bytes
+    if not relative:
+        above = max(0, gc_peak - profile.baseline_bytes)
+        gc_peak = profile.baseline_bytes + math.ceil(above * r * r)
+    return byte_scale, gc_peak
+
+
+def kept_rows(profile: BucketProfile, kept: int, batch: int) -> BucketProfile:
+    """``profile`` priced for ``kept`` of its ``batch`` sequences (NOTE [ Freed memory is
+    spent ] in scheduler.py)."""
+    units = []
+    for cost in profile.units:
+        if cost.sliceable and cost.rows == batch and kept < batch:
+            k = kept / batch
+            cost = dataclasses.replace(cost, h_bytes=math.ceil(cost.h_bytes * k),
+                                       l_bytes=math.ceil(cost.l_bytes * k), pack_s=cost.pack_s * k,
+                                       unpack_s=cost.unpack_s * k, rows=max(kept, 1))
+        units.append(cost)
+    return dataclasses.replace(profile, units=units)
+
+
+def stores_all(bucket: Bucket) -> bool:
+    """The bucket's plan keeps every unit whole (H): no memory is short
+    (``Scheduler.keeps_whole``)."""
+    return bucket.plan is not None and all(a == "H" for a in bucket.plan.actions.values())
+
+
+def input_shape(args, kwargs) -> tuple[int, int]:
+    """(sequences, positions) of a forward's input ids or embeddings; (1, 1) when none."""
+    ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if ids is None:
+        ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return (ids.shape[0], ids.shape[1]) if ids is not None and ids.dim() >= 2 else (1, 1)
