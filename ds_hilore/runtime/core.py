@@ -26,7 +26,7 @@ from ds_hilore.runtime import packed, report
 from ds_hilore.runtime.bundle import LayerFrame
 from ds_hilore.runtime.calls import drop_cache, hidden_input
 from ds_hilore.runtime.codecs import codec_from_config
-from ds_hilore.runtime.elision import Elision, gradient_entry
+from ds_hilore.runtime.elision import Elision, gate, gradient_entry
 from ds_hilore.runtime.install import Installation, checkpointing_on
 from ds_hilore.runtime.microbatch import Microbatch
 from ds_hilore.runtime.plans import ACTIONS, Plans
@@ -66,6 +66,9 @@ class HiLoReRuntime(Installation, Plans):
     def __init__(self, model: nn.Module, config: HiLoReConfig):
         self.model, self.config = model, config
         self.collective = None  # set by engine.py for multi-rank runs
+        # NOTE [ A backward of zeros ] in elision.py: off where gradient hooks reduce every
+        # gradient as it is made (ZeRO stages 1-3; engine.py)
+        self.zero_backward_skip = True
         # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
         # of set_plan / force_plan holds. The runtime calls it at fixed points and never
         # imports it: begin_forward(args, kwargs) before a training forward of the model,
@@ -327,6 +330,10 @@ class HiLoReRuntime(Installation, Plans):
         hidden = out if isinstance(out, torch.Tensor) else next(
             (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
         if hidden is not None and hidden.requires_grad:
+            if last and self.zero_backward_skip:  # NOTE [ A backward of zeros ] in elision.py
+                gated = gate(hidden, mb)
+                out = _replaced(out, hidden, gated)
+                hidden = gated
             hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, weakref.ref(frame), last))
             if last:
                 mb.last_hidden_fn = id(hidden.grad_fn)
@@ -372,6 +379,13 @@ class HiLoReRuntime(Installation, Plans):
 
     def _summarise(self, mb: Microbatch) -> None:
         report.summarise(self._layers, mb)
+
+
+def _replaced(out, old: torch.Tensor, new: torch.Tensor):
+    """``out`` (a layer's output: a tensor, or a tuple / list holding it) with ``old`` as ``new``."""
+    if out is old:
+        return new
+    return type(out)(new if x is old else x for x in out)
 
 
 def _check_coefficients(coefficients: torch.Tensor, frame: LayerFrame, offset: int | None) -> None:

@@ -126,16 +126,18 @@ class Elision:
             self.apply(mb, exposure.hidden_grad_norms(grad), 0, source="hidden_grad")
 
     # ------------------------------------------------------------------ backward
-    def on_layer_grad(self, mb, frame_ref, last: bool, grad: torch.Tensor) -> None:
-        """Gradient at a HiLoRe layer's output, before any of the layer's backward runs."""
+    def on_layer_grad(self, mb, frame_ref, last: bool, grad: torch.Tensor | None) -> None:
+        """Gradient at a HiLoRe layer's output, before any of the layer's backward runs (None
+        below a microbatch whose layers' backward is skipped: NOTE [ A backward of zeros ])."""
         if last:
             self._on_hidden_grad(mb, grad)
             self._check_at_top(mb, grad)
+            mb.skip_layers_backward = self._skips_layers(mb)
             if self.runtime.policy is not None:
                 self.runtime.policy.top_grad(mb, grad)
             return
         frame = frame_ref()
-        if frame is None or grad.dim() < 2:
+        if frame is None or grad is None or grad.dim() < 2:
             return
         rows = sorted(frame.elided_rows)
         if frame.check_every_layer and frame.elision_checked:
@@ -162,6 +164,17 @@ class Elision:
             self._fall_back(frames)
         elif any(f.elided_rows for f in frames):
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._defer_late(mb))
+
+    def _skips_layers(self, mb) -> bool:
+        """Whether the gradient at the last layer's output is known to be exactly zero on every
+        rank (NOTE [ A backward of zeros ]): every sequence elided by the loss's own ω, on every
+        rank, and the read at the top found none of it reached them (else the frames fell back
+        and no longer skip). Never for a measured microbatch (profile, leave-one-out timing)."""
+        if not self.runtime.zero_backward_skip or mb.profile is not None or mb.timing is not None:
+            return False
+        frames = mb.live_frames()
+        return bool(frames) and all(f.skip_zero_recompute and f.elision_checked
+                                    and len(f.elided_rows) == f.batch for f in frames)
 
     def _decide(self, leaks: bool, collective: bool) -> bool:
         if collective and self.runtime.collective is not None:  # one decision for all ranks
@@ -363,3 +376,67 @@ def gradient_entry(out) -> tuple[bool, bool]:
     collected = _active_collector.get() or {}
     internal = any(key != "hidden_states" and not key.startswith("_") for key in collected)
     return not internal, "hidden_states" in collected
+
+
+# NOTE [ A backward of zeros ]
+# A microbatch whose loss coefficients are exactly zero for every sequence on every rank (all
+# its groups without reward spread, no KL term) sends exactly zero gradient into the last
+# layer's output, and from there zero into every parameter below: the layers' backward would
+# multiply zeros. Its last layer's output passes through ``TopGate`` (an identity); once the
+# read at the top of the backward has shown the gradient there zero (NOTE [ Checked elision ]),
+# the gate hands the layers no gradient at all, which autograd's formulas skip without
+# computing: the backward of the layers costs nothing, and their recompute is skipped already
+# (NOTE [ Exact zeros ] in storage.py). It is the same decision on every rank (ω zero on every
+# rank, the read agreed over ranks), so collectives stay matched. A parameter that would have
+# received that zero gets it still: where its ``.grad`` is None the gate sets zeros (an
+# optimizer skips a parameter without a gradient, but steps one with a zero gradient:
+# momentum, weight decay), so the step is the one without the skip, bitwise. Gradient
+# entering lower down (a loss on an intermediate hidden state) is not gated and still flows.
+# Off under ZeRO stages 1-3, whose gradient hooks partition and reduce every gradient as it
+# is made (``zero_backward_skip``, set by the engine integration); never on profiled or
+# timed microbatches, whose backward is being measured.
+class TopGate(torch.autograd.Function):
+    """Identity at the last layer's output; no gradient below it when the microbatch skips."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, mb) -> torch.Tensor:
+        ctx.mb = weakref.ref(mb)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mb = ctx.mb()
+        if mb is None or not getattr(mb, "skip_layers_backward", False):
+            return grad, None
+        node = ctx.saved_node
+        ctx.saved_node = None
+        mb.summary["backward_skipped"] = True
+        for p in _reached_parameters(node):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return None, None
+
+
+def gate(hidden: torch.Tensor, mb) -> torch.Tensor:
+    """``hidden`` through ``TopGate`` (NOTE [ A backward of zeros ])."""
+    node = hidden.grad_fn
+    out = TopGate.apply(hidden, mb)
+    out.grad_fn.saved_node = node  # where the walk for the parameters below begins
+    return out
+
+
+def _reached_parameters(node) -> list[torch.Tensor]:
+    """The leaves requiring grad that the graph below ``node`` accumulates into."""
+    found, seen, stack = [], set(), [node]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if leaf is not None:
+            if leaf.requires_grad:
+                found.append(leaf)
+            continue
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found

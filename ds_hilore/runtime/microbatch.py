@@ -41,6 +41,7 @@ class Microbatch:
         self.seq_len: int | None = None  # hidden positions of the forward
         self.summary: dict[str, Any] = {}
         self.late_leaks: list[torch.Tensor] = []  # per-layer elision checks of its backward
+        self.skip_layers_backward = False  # NOTE [ A backward of zeros ] in elision.py
         # several sequences per row (NOTE [ Packed sequences ] in packed.py)
         self.packed: bool | None = None
         self.segments: list[tuple[int, int]] | None = None  # token ranges of the packed row

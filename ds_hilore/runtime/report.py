@@ -8,7 +8,8 @@ from typing import Any
 from ds_hilore.runtime.codecs import relative_errors
 from ds_hilore.runtime.storage import Counters
 
-_COUNTED = ("recomputed_units", "pack_s", "unpack_s", "recompute_s", "nonfinite_slices")
+_COUNTED = ("recomputed_units", "pack_s", "unpack_s", "recompute_s", "nonfinite_slices",
+            "backward_skipped")
 
 
 def summarise(layers, mb) -> None:
@@ -51,7 +52,9 @@ def _microbatch_stats(summary: dict) -> dict[str, Any]:
             "pack_s": c.pack_s, "unpack_s": c.unpack_s, "recompute_s": c.recompute_s,
             "nonfinite_slices": c.nonfinite_slices, "_packed_stats": list(c.packed_stats),
             "exposure_source": summary.get("exposure_source"),
-            "exact_zero_sequences": summary.get("exact_zero_sequences", 0)}
+            "exact_zero_sequences": summary.get("exact_zero_sequences", 0),
+            # 1 when its layers' backward was skipped (NOTE [ A backward of zeros ] in elision.py)
+            "backward_skipped": int(summary.get("backward_skipped", False))}
 
 
 def _sum_dicts(dicts) -> dict[str, int]:
