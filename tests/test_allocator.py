@@ -935,15 +935,24 @@ def test_rel_error_of_an_overflowed_pass_is_no_measurement_and_never_zero():
     assert measured([torch.zeros(2)], [torch.zeros(2)]) == 0.0
 
 
-def test_an_overflowed_calibration_pass_is_dropped_counted_and_retried():
+def _profiled_runtime(calibration_microbatches: int, validation_interval: int):
+    """A model attached at budget 1.6 whose profiled steps are done: the next microbatch is the
+    first planned one (calibrated when `calibration_microbatches`, validated when the interval
+    says so)."""
     model = _model()
-    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=1,
-                                           validation_interval=0))
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6,
+                                           calibration_microbatches=calibration_microbatches,
+                                           validation_interval=validation_interval))
+    for step in range(PROFILED):
+        _grpo_microbatch(model, step)
+        runtime.end_step()
+        model.zero_grad(set_to_none=True)
+    return model, runtime
+
+
+def test_an_overflowed_calibration_pass_is_dropped_counted_and_retried():
+    model, runtime = _profiled_runtime(calibration_microbatches=1, validation_interval=0)
     try:
-        for step in range(PROFILED):
-            _grpo_microbatch(model, step)
-            runtime.end_step()
-            model.zero_grad(set_to_none=True)
         _overflowed_microbatch(model, PROFILED)  # the first planned microbatch: calibrated
         runtime.end_step()  # replans after the pass: must not raise
         model.zero_grad(set_to_none=True)
@@ -964,14 +973,8 @@ def test_a_calibration_microbatch_with_nothing_exposed_records_no_susceptibility
     """NOTE [ A calibration with nothing exposed ]: every group of zero advantage makes the exact
     gradient 0 and the pass 0 / 0; before, a susceptibility of 0 was stored for the group (its
     units then packed at no risk). No sample, not counted; the next microbatch calibrates."""
-    model = _model()
-    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=1,
-                                           validation_interval=0))
+    model, runtime = _profiled_runtime(calibration_microbatches=1, validation_interval=0)
     try:
-        for step in range(PROFILED):
-            _grpo_microbatch(model, step)
-            runtime.end_step()
-            model.zero_grad(set_to_none=True)
         _grpo_microbatch(model, PROFILED, rewards=torch.ones(B))  # the first planned: calibrated
         runtime.end_step()
         model.zero_grad(set_to_none=True)
@@ -987,14 +990,8 @@ def test_a_calibration_microbatch_with_nothing_exposed_records_no_susceptibility
 
 
 def test_an_overflowed_validation_pass_never_passes_and_is_retried():
-    model = _model()
-    runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=0,
-                                           validation_interval=2))
-    try:
-        for step in range(PROFILED):  # steps 0, 1: profiled
-            _grpo_microbatch(model, step)
-            runtime.end_step()
-            model.zero_grad(set_to_none=True)
+    model, runtime = _profiled_runtime(calibration_microbatches=0, validation_interval=2)
+    try:  # steps 0, 1 were profiled
         _overflowed_microbatch(model, PROFILED)  # step 2: validated, overflowed
         runtime.end_step()
         model.zero_grad(set_to_none=True)

@@ -448,6 +448,23 @@ class Codec:
     def pack_async(self, x: torch.Tensor) -> Packed:
         """Pack ``x`` without reading the device: whether x was finite is ``Packed.finite``
         (the payload of a non-finite x is meaningless; the caller must check before use)."""
+        return self._pack(x)
+
+    def unpack(self, p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The (N, G) tensor ``p`` stands for, in ``p.dtype``; written into ``out`` if given."""
+        return self._unpack(p, out)
+
+    def warmup(self, dtypes=(torch.float32,), device="cpu") -> None:
+        """Compile (or load from inductor's cache) the kernels for ``dtypes`` now, not mid-step.
+        Runs the kernels alone: no caller of ``pack`` / ``unpack`` sees these calls."""
+        for dtype in dtypes:
+            for g in (256, 200):  # divisible by the fp8 block size, and not (ragged kernels)
+                # no random numbers: the caller's RNG streams stay where they were
+                x = torch.linspace(-3.0, 3.0, 4 * g, device=device).reshape(4, g).to(dtype)
+                self._unpack(self._pack(x), None)
+
+    # -- internals
+    def _pack(self, x: torch.Tensor) -> Packed:
         _check_input(x)
         n, g = x.shape
         b = self.block_size(g)
@@ -463,8 +480,7 @@ class Codec:
             scales = _safe_scale(amax.view(n, -1), self.spec.qmax)  # (N, nb) as in the kernel
         return self._packed(x, b, q.view(n, g), scales, stats)
 
-    def unpack(self, p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The (N, G) tensor ``p`` stands for, in ``p.dtype``; written into ``out`` if given."""
+    def _unpack(self, p: Packed, out: torch.Tensor | None) -> torch.Tensor:
         if p.codec != self.name:
             raise bug(f"{self!r} asked to unpack a {p.codec!r} payload")
         if out is None:
@@ -484,15 +500,6 @@ class Codec:
                 self._run_decode(self.spec.decode_ragged, p.payload, p.scales, out, b)
         return out
 
-    def warmup(self, dtypes=(torch.float32,), device="cpu") -> None:
-        """Compile (or load from inductor's cache) the kernels for ``dtypes`` now, not mid-step."""
-        for dtype in dtypes:
-            for g in (256, 200):  # divisible by the fp8 block size, and not (ragged kernels)
-                x = torch.randn(4, g, device=device).to(dtype)
-                p = self.pack(x)
-                self.unpack(p)
-
-    # -- internals
     def _packed(self, x, block_size, payload, scales, stats) -> Packed:
         return Packed(codec=self.name, shape=tuple(x.shape), dtype=x.dtype, block_size=block_size,
                       payload=payload, scales=scales,
