@@ -489,8 +489,8 @@ def test_each_forward_is_preceded_by_its_predicted_exposure():
     events = []
 
     class Recorder:
-        def expect(self, exposure, step_exposure=None):
-            events.append(("expect", exposure, step_exposure))
+        def expect(self, exposure, step_exposure=None, exposed_microbatches=None):
+            events.append(("expect", exposure, step_exposure, exposed_microbatches))
 
         def end_step(self):
             events.append(("end_step",))
@@ -499,10 +499,45 @@ def test_each_forward_is_preceded_by_its_predicted_exposure():
     step(Run("x", None, model=model, context=Context(runtime=Recorder())), micro_batches,
          optimize=False)
     total = sum(float((m["advantages"].abs() * m["mask"].sum(1)).sum()) for m in micro_batches)
+    exposed = sum(1 for m in micro_batches if float(m["advantages"].abs().sum()) > 0)
     expected, zeros = [], 0
     for m in micro_batches:
         exposure = (m["advantages"].abs() * m["mask"].sum(1)).tolist()
         zeros += exposure.count(0.0)
-        expected += [("expect", pytest.approx(exposure), pytest.approx(total)), ("forward",)]
+        expected += [("expect", pytest.approx(exposure), pytest.approx(total), exposed),
+                     ("forward",)]
     assert events == expected + [("end_step",)]
     assert zeros == 3 * 2  # 3 of the step's 6 groups have A = 0: predicted exactly 0
+
+
+def test_block_h_k_is_found_against_gc_measured_beside_the_probe(monkeypatch):
+    """block_h's k: each probe's peak is compared with GC's peak read while that probe is
+    alive (NOTE [ block_h's k, measured against GC in the same memory ]), not with GC's first
+    reading, taken before the budgeted runs existed. Fake meter: a peak is the bytes of the
+    runs alive plus the run's activations (GC 100, block_h 100 + 20 per stored layer)."""
+    from ds_hilore.bench import frontier
+    from ds_hilore.bench.runs import Run
+
+    alive = {"bytes": 1300}  # GC's first reading saw 1000: the budgeted runs were made since
+
+    def new_run(method, budget, base, config, extra=None):
+        alive["bytes"] += 10  # the probe's own copy and optimizer state
+        return Run(method, budget, note=str(extra["block_k"]))
+
+    def close(run):
+        alive["bytes"] -= 10
+
+    def measure_peak(run, data, device):
+        act = 100 if run.method == "gc" else 100 + 20 * int(run.note)
+        return alive["bytes"] + act, act
+
+    monkeypatch.setattr(frontier, "new_run", new_run)
+    monkeypatch.setattr(frontier, "close", close)
+    monkeypatch.setattr(frontier, "measure_peak", measure_peak)
+    monkeypatch.setattr(frontier, "step", lambda run, data: None)
+    k, probes = frontier._find_block_k(None, {"layers_n": 8, "device": "cpu"}, 1.10,
+                                       Run("gc", None), data=None)
+    # beside a probe GC peaks at 1410, so 1.10x allows 1551: 1410 + 20k fits up to k = 7
+    assert k == 7  # against GC's first reading (1100 -> 1210) no k would fit: k = 0
+    assert probes == [(4, 1490, 1410), (6, 1530, 1410), (7, 1550, 1410), (8, 1570, 1410)]
+    assert alive["bytes"] == 1300  # every probe closed

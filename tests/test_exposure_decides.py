@@ -327,6 +327,40 @@ def test_plans_for_a_predicted_risk_factor_are_solved_rarely_and_never_under_pri
     assert len(solves) == 1 and [k[2] for k in keys] == [2 ** -0.25], (solves, keys)
 
 
+def test_the_step_tolerance_is_shared_by_its_exposed_microbatches_only():
+    """NOTE [ The tolerance of a step, shared by its exposed microbatches ]: after a step of
+    N = 2 microbatches, the next step's other microbatch is predicted zero (P_m = P_step = 4).
+    Read against N = 2 this one is twice the step's mean (rho = 2): the bucket's plan (risk
+    0.009, three units packed) no longer fits the 0.015 budget and a unit goes to R. Told that
+    one microbatch of the step is exposed (K = 1: it carries the step's whole error), it
+    runs the bucket's plan, and the check after the forward keeps every packed unit."""
+    model = _model()
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget_bytes=(1 << 30) + int(1.9e6)))
+    _resume(runtime, _fixed_profile(runtime, h_bytes=1_000_000, rel_error=0.003))
+    bucket = runtime.policy.buckets[BUCKET]
+    calls = _record(runtime)
+    try:
+        for j in range(2):
+            _microbatch(model, j, HIGH_01)
+        runtime.end_step()
+        assert runtime.policy.step_exposure.previous_count == 2
+        assert 0.0075 < bucket.plan.risk <= 0.015  # fits at rho 1, not at rho 2
+        runtime.expect([1.0] * B, 4.0)  # N = 2: rho 2
+        _microbatch(model, 10, HIGH_01)
+        by_n = calls[-1][0]
+        runtime.expect([1.0] * B, 4.0, exposed_microbatches=1)  # K = 1: rho 1
+        _microbatch(model, 11, HIGH_01)
+        by_k, executed = calls[-1][0], {u.name: u.action for u in runtime.units}
+        with pytest.raises(ValueError, match="exposed_microbatches"):
+            runtime.expect([1.0] * B, 4.0, exposed_microbatches=0)
+    finally:
+        runtime.detach()
+    packed = [n for n, a in bucket.plan.actions.items() if a == "L"]
+    assert len(packed) == 3 and by_k == bucket.plan.actions, (by_k, bucket.plan.actions)
+    assert sum(a == "L" for a in by_n.values()) < 3 and "R" in by_n.values(), by_n
+    assert executed == bucket.plan.actions  # nothing sent to R after the forward
+
+
 # ---------------------------------------------------------------------------- (c) the step's error
 
 def test_risk_estimate_tracks_the_measured_error_of_the_steps_gradient():
@@ -564,6 +598,8 @@ def test_reference_mass_is_the_steps_mean_microbatch_as_far_as_known():
     ref.add(0.4, 0.0)
     assert ref.reference(6.0) == (0.4 + 6.0 + 2 * 2.0) / 4
     assert ref.reference(1.0, predicted=5.0, predicted_step=40.0) == 1.0 * (40.0 / 4) / 5.0
+    # K = 2 of the step's microbatches predicted non-zero: they share the tolerance
+    assert ref.reference(1.0, predicted=5.0, predicted_step=40.0, exposed=2) == 1.0 * (40.0 / 2) / 5.0
 
     class Sum:  # the other rank brought the same again
         def all_reduce_sum(self, values):

@@ -249,7 +249,7 @@ def _exposure_blind_scheduler():
     class _ExposureBlind(Scheduler):
         """The allocator without exposure: uniform risk share, no predicted-exposure splits."""
 
-        def expect(self, exposure, step_exposure=None):
+        def expect(self, exposure, step_exposure=None, exposed_microbatches=None):
             super().expect(None)  # blind: no prediction reaches the plan
 
         def _fit_risk(self, mb, bucket):

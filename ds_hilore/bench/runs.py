@@ -128,12 +128,12 @@ def _forward_loss(model, micro):
                        model=model).loss
 
 
-def _expect(run: Run, micro, step_exposure: float) -> None:
+def _expect(run: Run, micro, step_exposure: float, exposed: int) -> None:
     """Hand HiLoRe the next microbatch's predicted exposure before its forward (its public
     call, ``HiLoReRuntime.expect``; a zero is exact: A = 0 gives a zero coefficient whatever
-    the ratio, beta = 0), with the step's total."""
+    the ratio, beta = 0), with the step's total and how many of its microbatches are non-zero."""
     if run.context.runtime is not None:
-        run.context.runtime.expect(exposure(micro), step_exposure)
+        run.context.runtime.expect(exposure(micro), step_exposure, exposed or None)
 
 
 def step(run: Run, micro_batches, optimize: bool = True, flops: bool = False,
@@ -148,9 +148,10 @@ def step(run: Run, micro_batches, optimize: bool = True, flops: bool = False,
         from torch.utils.flop_counter import FlopCounterMode
 
         counter = FlopCounterMode(display=False)
-    step_exposure = sum(sum(exposure(m)) for m in micro_batches)
+    predicted = [sum(exposure(m)) for m in micro_batches]
+    step_exposure, exposed = sum(predicted), sum(1 for p in predicted if p > 0)
     for i, micro in enumerate(micro_batches):
-        _expect(run, micro, step_exposure)
+        _expect(run, micro, step_exposure, exposed)
         with run.context.step():
             if counter is not None:
                 with counter:

@@ -146,8 +146,10 @@ def report(config, runs, gc_peak: int, steps, block_k, records) -> dict[str, Any
     cfg["tokens_per_step"] = per_step[0]
     cfg["tokens_of_steps"] = per_step
     cfg["sequences_per_step"] = [sum(int(m["input_ids"].shape[0]) for m in s) for s in steps]
-    cfg["block_h_k"] = {f"{b:g}": {"k": k, "probes": [{"k": pk, "peak_bytes": pp} for pk, pp in probes]}
-                        for b, (k, probes) in block_k.items()}
+    cfg["block_h_k"] = {  # NOTE [ block_h's k, measured against GC in the same memory ]
+        f"{b:g}": {"k": k, "probes": [{"k": pk, "peak_bytes": pp, "gc_peak_bytes": gp}
+                                      for pk, pp, gp in probes]}
+        for b, (k, probes) in block_k.items()}
     profile_s = sum(r.profile_s for r in runs if r.copy_of is None and METHODS[r.method].policy)
     out = {"config": cfg, "host": _host(config), "gc_peak_bytes": int(gc_peak),
            "profile_s": float(profile_s), "rounds": list(records), "runs": rows}

@@ -56,7 +56,8 @@ class Scheduler:
         self.tighten = 1.0  # validation halves the risk budget when the measured error exceeds it
         self.expected: list[float] | None = None  # predicted exposure per sequence (expect)
         self.expected_step: float | None = None  # ... summed over the step, all ranks (expect)
-        self.applied = None  # (prediction, step prediction) the plan of the forward used
+        self.expected_exposed: int | None = None  # the step's microbatches predicted non-zero (expect)
+        self.applied = None  # (prediction, step prediction, exposed count) the plan used
         self.step_exposure = StepExposure()  # NOTE [ Risk in step units ] in risk.py
         self.row_plans: dict = {}  # plans re-solved for the rows a prediction keeps
         self.bucket: Bucket | None = None  # of the forward in progress
@@ -197,7 +198,8 @@ class Scheduler:
         kept = sum(c.derived_bytes for c in bucket.profile.units if plan.actions.get(c.name) == "H")
         return plan.memory_bytes + kept > plan.headroom_bytes
 
-    def expect(self, exposure: list[float] | None, step_exposure: float | None = None) -> None:
+    def expect(self, exposure: list[float] | None, step_exposure: float | None = None,
+               exposed_microbatches: int | None = None) -> None:
         """Predicted exposure per sequence of the next microbatch, before its forward.
 
         The plan of that microbatch then stores its most exposed sequences H and packs the
@@ -214,9 +216,20 @@ class Scheduler:
                 optimizer step on every rank: the risk then reads this microbatch against the
                 step (NOTE [ Risk in step units ] in risk.py); without it, against a running
                 reference.
+            exposed_microbatches: optional, with ``step_exposure``: how many of those
+                microbatches (every rank's) have a non-zero prediction. Those predicted zero
+                pack nothing, so the step's error tolerance is shared by these alone (NOTE
+                [ The tolerance of a step, shared by its exposed microbatches ] in risk.py);
+                without it, by every microbatch of the last step.
         """
         self.expected = None if exposure is None else [float(x) for x in exposure]
         self.expected_step = None if exposure is None or step_exposure is None else float(step_exposure)
+        exposed = None if self.expected_step is None else exposed_microbatches
+        if exposed is not None and int(exposed) < 1:
+            raise ValueError(f"expect(exposed_microbatches={exposed!r}): the count of the step's "
+                             "microbatches with non-zero predicted exposure, on every rank; at "
+                             "least 1 (leave it out when unknown)")
+        self.expected_exposed = None if exposed is None else int(exposed)
 
     def hold_out(self) -> None:
         """Hold the next planned microbatch out for a ranking check of the risk model, run at
@@ -341,7 +354,7 @@ class Scheduler:
                 if elide:
                     per_row = ["E" if i not in kept else a for i, a in enumerate(per_row)]
                 rows[name] = tuple(per_row)
-        self.applied = (expected, self.expected_step) if expected else None
+        self.applied = (expected, self.expected_step, self.expected_exposed) if expected else None
         if expected:  # stats: how many microbatches were planned from a prediction
             stats = self.step_stats
             stats["predicted_microbatches"] = stats.get("predicted_microbatches", 0) + 1
@@ -384,7 +397,7 @@ class Scheduler:
         if expected is not None:
             missing, kept = 0.0, float(sum(1 for x in expected if x != 0))
             unskipped = 0.0 if self.zero_skips else 1.0
-            step, count = self.expected_step, self.step_exposure.previous_count
+            step, count = self.expected_step, self.expected_exposed or self.step_exposure.previous_count
             if step and count and sum(expected) > 0:
                 rho = 2.0 ** (math.ceil(8 * math.log2(sum(expected) / (step / count)) - 1e-9) / 8)
         collective = self.runtime.collective
@@ -449,9 +462,9 @@ class Scheduler:
         a vector of every unit, so every rank sends the same units to R."""
         mass, exposure = self._read_exposure(mb)
         total_mass = sum(mass)
-        predicted = getattr(mb, "predicted", None) or (None, None)
+        predicted = getattr(mb, "predicted", None) or (None, None, None)
         reference = self.step_exposure.reference(
-            total_mass, sum(predicted[0]) if predicted[0] else None, predicted[1])
+            total_mass, sum(predicted[0]) if predicted[0] else None, predicted[1], predicted[2])
         risks = unit_risks(self.risk, mb, bucket, mass, exposure)  # name -> s eps E_{u,S}
         names = [u.name for u in self.runtime.units]
         scaled = [risks.get(n, 0.0) / reference if reference > 0 else 0.0 for n in names]

@@ -146,7 +146,8 @@ class HiLoReRuntime(Installation, Plans):
                         "off until gradient_checkpointing_enable() (activate: %s).",
                         type(self.model).__name__, self.config.activate)
 
-    def expect(self, exposure, step_exposure: float | None = None) -> None:
+    def expect(self, exposure, step_exposure: float | None = None,
+               exposed_microbatches: int | None = None) -> None:
         """Predicted exposure of the next microbatch's sequences, before its forward: the plan
         splits them by it, never stores those predicted 0 and spends the memory they leave.
 
@@ -156,12 +157,15 @@ class HiLoReRuntime(Installation, Plans):
                 coefficient: on-policy, beta = 0, no entropy bonus; otherwise do not call this.
             step_exposure: optional, the same summed over the optimizer step's microbatches on
                 every rank (the risk then reads the microbatch against its step).
+            exposed_microbatches: optional, with ``step_exposure``: how many of those
+                microbatches (on every rank) have a non-zero prediction; the step's error
+                tolerance is then shared by them alone (those predicted zero pack nothing).
 
         Does nothing without the allocator (``set_plan`` / ``force_plan`` decide then).
         """
         if self.policy is not None:
             values = exposure.tolist() if isinstance(exposure, torch.Tensor) else exposure
-            self.policy.expect(values, step_exposure)
+            self.policy.expect(values, step_exposure, exposed_microbatches)
 
     def set_coefficients(self, coefficients: torch.Tensor, offset: int | None = None,
                          logp: torch.Tensor | None = None) -> None:
