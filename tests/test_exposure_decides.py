@@ -599,7 +599,7 @@ def test_reference_mass_is_the_steps_mean_microbatch_as_far_as_known():
     assert ref.reference(6.0) == (0.4 + 6.0 + 2 * 2.0) / 4
     assert ref.reference(1.0, predicted=5.0, predicted_step=40.0) == 1.0 * (40.0 / 4) / 5.0
     # K = 2 of the step's microbatches predicted non-zero: they share the tolerance
-    assert ref.reference(1.0, predicted=5.0, predicted_step=40.0, exposed=2) == 1.0 * (40.0 / 2) / 5.0
+    assert ref.reference(1.0, predicted=5.0, predicted_step=40.0, exposed=2) == 40.0 / 2 / 5.0
 
     class Sum:  # the other rank brought the same again
         def all_reduce_sum(self, values):

@@ -275,7 +275,7 @@ def run_bench(config: dict[str, Any]) -> dict[str, Any]:
         close(run)
     end_group()
     out = provisional(records)
-    out["config"]["gc_probe_peak_bytes"] = int(gc_probe_peak)  # GC's first reading, fewer runs alive
+    out["config"]["gc_probe_peak_bytes"] = int(gc_probe_peak)  # GC's first reading
     out["stop"] = stop
     out["seconds"] = time.perf_counter() - begin
     return out

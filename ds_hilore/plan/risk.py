@@ -32,13 +32,14 @@ over the step's micro-steps m and ranks r, e_step = |sum_{m,r} dg_{m,r}| / |sum_
   (share = the packed part of the unit's rows, 1 when whole) is exactly this for a microbatch
   of mean mass: the bucket's plan fits an average microbatch; one with M_m < M_ref (small or
   clipped ω) has room to pack more, one with M_m > M_ref sends its riskiest units to R.
-* M_ref = E_step / N (N: see the next NOTE). Predicted when the caller gave the step's predicted exposure P_step with
-  this microbatch's P_m (``Scheduler.expect``): M_ref = M_m * (P_step / N) / P_m. Else from
-  what is known: the masses of this step's microbatches so far on this rank (this one
-  included), plus the previous step's mean microbatch mass (all ranks) for each microbatch
-  still to come, over N (the previous step's count). So with N = 1 (one rank, no gradient
-  accumulation) M_ref = M_m exactly: a step's relative error does not shrink with its scale.
-  Before any step ended: the mean of this step's microbatches so far.
+* M_ref = E_step / N (or / K: the next NOTE). Predicted when the caller gave the step's
+  predicted exposure P_step with this microbatch's P_m (``Scheduler.expect``): M_ref = M_m *
+  (P_step / N) / P_m. Else from what is known: the masses of this step's microbatches so
+  far on this rank (this one included), plus the previous step's mean microbatch mass (all
+  ranks) for each microbatch still to come, over N (the previous step's count). So with
+  N = 1 (one rank, no gradient accumulation) M_ref = M_m exactly: a step's relative error
+  does not shrink with its scale. Before any step ended: the mean of this step's
+  microbatches so far.
 * Calibration fits s against the same quantity: a matched pass on m measures e_m and
   s = e_m / sum_u eps_u E_{u,S_u} / M_m. Validation measures e_step over every microbatch of
   the validated step; the per-microbatch e_m stays reported too.

@@ -56,7 +56,7 @@ class Scheduler:
         self.tighten = 1.0  # validation halves the risk budget when the measured error exceeds it
         self.expected: list[float] | None = None  # predicted exposure per sequence (expect)
         self.expected_step: float | None = None  # ... summed over the step, all ranks (expect)
-        self.expected_exposed: int | None = None  # the step's microbatches predicted non-zero (expect)
+        self.expected_exposed: int | None = None  # of the step's microbatches, non-zero (expect)
         self.applied = None  # (prediction, step prediction, exposed count) the plan used
         self.step_exposure = StepExposure()  # NOTE [ Risk in step units ] in risk.py
         self.row_plans: dict = {}  # plans re-solved for the rows a prediction keeps
@@ -397,7 +397,8 @@ class Scheduler:
         if expected is not None:
             missing, kept = 0.0, float(sum(1 for x in expected if x != 0))
             unskipped = 0.0 if self.zero_skips else 1.0
-            step, count = self.expected_step, self.expected_exposed or self.step_exposure.previous_count
+            step = self.expected_step  # NOTE [ The tolerance of a step, shared by ... ] in risk.py
+            count = self.expected_exposed or self.step_exposure.previous_count
             if step and count and sum(expected) > 0:
                 rho = 2.0 ** (math.ceil(8 * math.log2(sum(expected) / (step / count)) - 1e-9) / 8)
         collective = self.runtime.collective
