@@ -15,6 +15,7 @@ from ds_hilore._errors import HiLoReConfigError
 from ds_hilore.runtime import codecs
 from ds_hilore.runtime.codecs import (
     CODECS,
+    INT8_NEG_INF,
     Packed,
     codec_from_config,
     compiled_graph_counts,
@@ -268,8 +269,42 @@ def test_non_finite_input_is_refused(backend, name, options, label, bad):
     for where in [(0, 0), (599, 999), (300, 517)]:
         y = x.clone()
         y[where] = bad
-        assert codec.pack(y) is None, where
+        if name == "int8" and bad == float("-inf"):  # NOTE [ -inf in int8 ]: carried exactly
+            assert codec.pack(y) is not None, where
+        else:
+            assert codec.pack(y) is None, where
     assert codec.pack(x) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_carries_minus_inf_exactly_and_scales_rows_on_the_rest(backend, dtype):
+    """NOTE [ -inf in int8 ]: -inf comes back as -inf; each row's scale and the measured error
+    are those of the row with -inf read as 0; eager and compiled agree bitwise on the payload."""
+    codec = get_codec("int8", backend)
+    x = gaussian(600, 1000, dtype)  # several eager chunks
+    x[0, :10] = float("-inf")
+    x[5] = float("-inf")  # a whole row: scale 1, nothing else
+    x[300, 517] = float("-inf")
+    neg_inf = x == float("-inf")
+    p = codec.pack(x)
+    assert p is not None and torch.isfinite(p.scales).all()
+    assert torch.equal(p.payload == INT8_NEG_INF, neg_inf)
+    y = codec.unpack(p)
+    assert torch.equal(y[neg_inf], x[neg_inf]) and torch.isfinite(y[~neg_inf]).all()
+    rest = torch.where(neg_inf, 0.0, x.float()).to(dtype)
+    p_rest = codec.pack(rest)
+    assert torch.equal(p.scales, p_rest.scales)
+    assert torch.equal(torch.where(neg_inf, 0, p.payload.to(torch.int16)),
+                       p_rest.payload.to(torch.int16))
+    assert p.rel_error == pytest.approx(true_rel_error(rest, torch.where(neg_inf, 0.0, y.float())),
+                                        rel=1e-5)
+    assert p.rel_error < 0.01
+    eager = get_codec("int8", "eager").pack(x)
+    assert torch.equal(eager.payload, p.payload) and torch.equal(eager.scales, p.scales)
+    mask = torch.zeros(64, 256)  # an additive attention mask: 0 and -inf, packed without error
+    mask[:, 100:] = float("-inf")
+    packed = codec.pack(mask)
+    assert packed.rel_error == 0.0 and torch.equal(codec.unpack(packed), mask)
 
 
 @pytest.mark.parametrize("name, options, label", VARIANTS, ids=VARIANT_IDS)

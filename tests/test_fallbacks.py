@@ -137,12 +137,15 @@ def _padded(batch_size: int = 4, seq: int = 32, seed: int = 0):
     return inputs
 
 
+FP8 = {"low_precision": "fp8_e4m3"}  # no -inf payload: NOTE [ -inf in int8 ] in codecs.py
+
+
 def test_sdpa_attention_forced_L_with_padding_falls_back_to_R_and_is_reported_R():
     model = _sdpa_model()
     inputs = _padded()
     ref_loss, ref = loss_and_grads(model, inputs)
     runtime = ds_hilore.attach(model, {"force_plan": {"*.attn": "L", "*.mlp": "H"},
-                                       "codec_backend": "eager", "min_pack_numel": 0})
+                                       "codec_backend": "eager", "min_pack_numel": 0, **FP8})
     loss_and_grads(model, inputs)  # discovery
     loss, grads = loss_and_grads(model, inputs)
     assert torch.equal(loss, ref_loss)
@@ -156,13 +159,35 @@ def test_sdpa_attention_forced_L_with_padding_falls_back_to_R_and_is_reported_R(
     assert runtime.stats["packed_rel_error_max"] == 0.0  # nothing packed was used
 
 
-def test_sdpa_profile_with_padding_excludes_attention_from_L_and_counts_non_finite():
+def test_sdpa_attention_forced_L_with_padding_packs_its_minus_inf_mask_in_int8():
+    """NOTE [ -inf in int8 ]: the additive mask SDPA saves is packed exactly, the unit stays L."""
+    model = _sdpa_model()
+    inputs = _padded()
+    ref_loss, ref = loss_and_grads(model, inputs)
+    runtime = ds_hilore.attach(model, {"force_plan": {"*.attn": "L", "*.mlp": "H"},
+                                       "codec_backend": "eager", "min_pack_numel": 0})
+    loss_and_grads(model, inputs)  # discovery
+    loss, grads = loss_and_grads(model, inputs)
+    assert torch.equal(loss, ref_loss)  # the forward is the model's
+    last = runtime.stats["microbatches"][-1]
+    assert last["nonfinite_slices"] == 0 and last["recomputed_units"] == 0
+    assert last["actions"] == {"H": 2, "L": 2, "R": 0, "E": 0}
+    assert last["bytes"]["L"] > 0
+    assert [u.action for u in runtime.units] == ["L", "H", "L", "H"]
+    num = sum((grads[n] - ref[n]).double().square().sum() for n in ref)
+    den = sum(ref[n].double().square().sum() for n in ref)
+    assert 0 < (num / den).sqrt() < 0.01  # packed, within L's bound, and finite
+    assert 0 < runtime.stats["packed_rel_error_max"] < 0.02
+
+
+def _profile_padded(extra: dict):
     from ds_hilore.grpo import policy_loss
 
     model = _sdpa_model()
     runtime = ds_hilore.attach(model, {"codec_backend": "eager", "min_pack_numel": 0,
                                        "profile_microbatches": 2, "calibration_microbatches": 0,
-                                       "plan_validation_microbatches": 0, "memory_budget": 1.6})
+                                       "plan_validation_microbatches": 0, "memory_budget": 1.6,
+                                       **extra})
     for step in range(3):
         inputs = _padded(seed=step)
         ids = inputs["input_ids"]
@@ -175,14 +200,24 @@ def test_sdpa_profile_with_padding_excludes_attention_from_L_and_counts_non_fini
         model.zero_grad(set_to_none=True)
     profile = runtime.policy.buckets[(4, 32)].profile
     assert profile is not None
-    for cost in profile.units:
+    return profile
+
+
+def test_sdpa_profile_with_padding_excludes_attention_from_L_and_counts_non_finite():
+    for cost in _profile_padded(FP8).units:
         assert cost.rel_error == cost.rel_error and cost.rel_error > 0  # finite samples only
-        if cost.kind == "attn":  # the additive mask cannot be packed: L is not an option
+        if cost.kind == "attn":  # fp8 cannot pack the additive mask: L is not an option
             assert cost.nonfinite_tensors >= 1
             assert cost.l_bytes == cost.h_bytes
             assert "L" not in unit_options(cost, True, 0.5) and "S" not in unit_options(cost, True, 0.5)
         else:
             assert cost.nonfinite_tensors == 0 and cost.l_bytes < cost.h_bytes
+
+
+def test_sdpa_profile_with_padding_offers_attention_L_in_int8():
+    for cost in _profile_padded({}).units:
+        assert cost.nonfinite_tensors == 0 and 0 < cost.rel_error < 0.02
+        assert cost.l_bytes < cost.h_bytes and "L" in unit_options(cost, True, 0.5)
 
 
 class _Recorded:

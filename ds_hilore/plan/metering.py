@@ -71,7 +71,8 @@ class Metering:
         # NOTE [ Memory that appears after profiling ]: in use at a step's first forward, by
         # step; buckets planned in a step, charged at the next one's start
         self.step_bases: dict[int, int] = {}
-        self.awaiting: dict[tuple[int, int], int] = {}
+        # bucket key -> (step it was planned in, bytes in use less gradients when it was)
+        self.awaiting: dict[tuple[int, int], tuple[int, int]] = {}
         self.codec_warm = False  # NOTE [ A codec's first use ]
 
     # ------------------------------------------------------------------ pipeline
@@ -273,7 +274,13 @@ class Metering:
     # the samples taken after it appeared and in the growth added to them: GC's peak reads high
     # by it, so an absolute budget leaves less headroom and a relative one (m x that peak)
     # allows (m - 1) x it more. The largest such cache is HiLoRe's own (NOTE [ A codec's first
-    # use ]), made before the first reading.
+    # use ]), made before the first reading. The charge at the next step's start is therefore
+    # counted from the later of the planned step's start and the planning itself (a forward's
+    # start, after the profiled microbatches): the caches a first forward leaves (37 MiB of
+    # host memory measured on a 2-core AVX-512 CPU: a tiny Qwen2, no codec) are in that
+    # reading and in the samples, not in the charge; counted from the step's start they had
+    # sent a plan with room for 2x the optimizer's state to all R. A profile spread over
+    # several steps still raises its earlier samples by what appeared between those steps.
     #
     # NOTE [ A codec's first use ]
     # The codec's kernels are compiled at their first call (inductor's graphs, generated code
@@ -292,7 +299,7 @@ class Metering:
         device = s._device()
         self._warm_codec(device)
         self.step_bases[s.steps] = in_use_bytes(device) - _gradient_bytes(s.runtime.model, device)
-        needed = {s.steps, *self.awaiting.values()}
+        needed = {s.steps, *(step for step, _ in self.awaiting.values())}
         for bucket in s.buckets.values():
             if bucket.plan is None:
                 needed.update(bucket.profiler.steps)
@@ -315,16 +322,22 @@ class Metering:
         return {k: max(0, now - base) for k, base in self.step_bases.items()}
 
     def planned(self, bucket) -> None:
-        """``bucket`` was planned from samples of this process: charged at the next step's start."""
-        self.awaiting[bucket.key] = self.s.steps
+        """``bucket`` was planned from samples of this process: charged at the next step's start
+        with what appeared since now (a forward's start, nothing of it allocated yet)."""
+        device = self.s._device()
+        self.awaiting[bucket.key] = (self.s.steps, in_use_bytes(device)
+                                     - _gradient_bytes(self.s.runtime.model, device))
 
     def charge_memory_after_profiling(self) -> None:
         s = self.s
-        due = [key for key, step in self.awaiting.items() if step < s.steps and key in s.buckets]
+        due = [key for key, (step, _) in self.awaiting.items()
+               if step < s.steps and key in s.buckets]
         if not due:
             return
         now = self.step_bases[s.steps]
-        grown = [float(max(0, now - self.step_bases[self.awaiting.pop(key)])) for key in due]
+        since = [max(self.step_bases[step], reading)
+                 for step, reading in (self.awaiting.pop(key) for key in due)]
+        grown = [float(max(0, now - base)) for base in since]
         if s.runtime.collective is not None:
             grown = s.runtime.collective.all_reduce_max_float(grown)
         for key, extra in zip(due, grown):

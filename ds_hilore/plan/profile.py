@@ -38,8 +38,9 @@ recompute it saves, and must then lose.
 
 NOTE [ Non-finite tensors ]
 Some saved tensors hold infinities by design: with a padding mask, SDPA saves an additive
-(B, 1, T, T) mask of 0 and -inf. The codec cannot pack them (its per-row scale would be inf),
-and the runtime learns that only when it reads the microbatch's checks after the forward
+(B, 1, T, T) mask of 0 and -inf. The int8 codec carries -inf exactly (NOTE [ -inf in int8 ] in
+runtime/codecs.py); fp8 e4m3, and any codec given NaN or +inf, cannot pack them (the per-row
+scale would be inf), and the runtime learns that only when it reads the microbatch's checks after the forward
 (NOTE [ One read per microbatch ] in runtime/storage.py): the unit then pays the pack
 and the recompute. It cannot keep just that tensor whole instead -- which tensor it is shows
 only on the device, and reading it per tensor in the forward is what the deferred checks avoid.

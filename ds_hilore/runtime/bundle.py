@@ -47,6 +47,7 @@ from ds_hilore.runtime.slots import ACT, INPUT, WEIGHT, Slot
 from ds_hilore.runtime.storage import (
     FLOAT_DTYPES,
     MIN_PACK_GROUP,
+    MIN_PACK_WIDTH_DIVISOR,
     Stored,
     row_block,
     segment_spans,
@@ -104,6 +105,8 @@ class LayerFrame:
         # hidden states with dimensions of their own (Gemma-3n's (streams, B, T, H), hyper-
         # connections' (B, T, streams, H)) are never sliced per sequence: nothing is proven
         self.sliceable = hidden.dim() <= 3
+        # NOTE [ Worth a codec call ] (storage.py): narrower tensors stay whole
+        self.min_pack_width = hidden.shape[-1] // MIN_PACK_WIDTH_DIVISOR if hidden.dim() else 0
         self.device = hidden.device
         self.units = [_Unit() for _ in layer.units]
         self.current = 0
@@ -288,10 +291,11 @@ class LayerFrame:
             block = row_block(t, self.batch, self.seq_len) if self.sliceable else None
             group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
             smallest = block
+            tok = block // self.seq_len if block and self.seq_len else None  # elements per token
         packable = (block is not None and t.dtype in FLOAT_DTYPES
                     and t.untyped_storage().data_ptr() not in self.boundary
                     and smallest >= self.ctx.min_pack_numel and self.ctx.codec is not None
-                    and group >= MIN_PACK_GROUP)
+                    and group >= MIN_PACK_GROUP and (tok or 0) >= self.min_pack_width)
         return Stored(t, self.sequences, block, group or 1, self.ctx.codec, packable, counters,
                       (weakref.ref(self), pos))
 

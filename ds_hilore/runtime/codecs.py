@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 CODEC_BACKENDS = ("eager", "compile")
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-INT8_MAX = 127.0  # symmetric grid [-127, 127]: -128 is never produced
+INT8_MAX = 127.0  # symmetric grid [-127, 127]: -128 is never produced by rounding
+INT8_NEG_INF = -128  # ... so it stands for -inf (NOTE [ -inf in int8 ])
 FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32
 _EAGER_CHUNK_NUMEL = 1 << 18  # elements per eager chunk on a CPU: fp32 temporaries <= 1 MiB
 _EAGER_CHUNK_NUMEL_ACCELERATOR = 1 << 24  # on other devices (NOTE [ Eager chunks ])
@@ -79,6 +80,18 @@ _EAGER_CHUNK_NUMEL_ACCELERATOR = 1 << 24  # on other devices (NOTE [ Eager chunk
 # kernel, with the reason, never fatal: ``compile_unavailable``, ``_Kernel.compiled``), and
 # whenever a TorchDispatchMode is active (e.g. memory.PeakMeter): dynamo then runs compiled
 # functions eagerly anyway. It runs in row chunks (NOTE [ Eager chunks ]).
+#
+# NOTE [ -inf in int8 ]
+# Some saved tensors hold -inf by design: given a padding mask, SDPA converts it to an additive
+# (B, 1, T, T) mask of 0 and -inf and saves that. Packed like any tensor, its per-row scale
+# would be inf and the run non-finite, and the whole unit would go to R after paying the pack
+# (NOTE [ Non-finite tensors ] in plan/profile.py): with padding, attention -- the unit most
+# expensive to recompute -- could never be L. The int8 grid is symmetric, [-127, 127], so the
+# payload -128 is free: the encoder stores -inf as -128 and measures the row's scale and error
+# on its other values (-inf counted as 0 in both), the decoder turns -128 back into -inf.
+# -inf survives exactly (a mask of 0 and -inf packs without error: 0 is exact too). NaN and +inf
+# still make the run non-finite (they reach amax and the stats). fp8 e4m3 is left as it was:
+# there -inf still sends the unit to R.
 #
 # NOTE [ Eager chunks ]
 # Unchunked, the eager kernel allocates several full-size fp32 temporaries that the compiled
@@ -288,7 +301,15 @@ def _encode_rows(x: torch.Tensor, qmax: float, to_grid) -> tuple:
 
 
 def _int8_encode(x):
-    return _encode_rows(x, INT8_MAX, _int8_grid)
+    # NOTE [ -inf in int8 ]: -inf is carried exactly, as the payload INT8_NEG_INF
+    xf = x.float()  # (R, B) fp32
+    neg_inf = xf == -math.inf  # (R, B)
+    finite_part = torch.where(neg_inf, 0.0, xf)  # NaN and +inf stay: amax and stats show them
+    amax = finite_part.abs().amax(dim=1, keepdim=True)  # (R, 1)
+    scale = _safe_scale(amax, INT8_MAX)  # (R, 1) fp32
+    unit = scale.clamp(min=FP32_TINY)  # (R, 1)
+    q, stats = _quantise_and_measure(x, finite_part, scale, unit, _int8_grid)
+    return torch.where(neg_inf, INT8_NEG_INF, q), amax, stats
 
 
 def _fp8_encode(x):
@@ -309,7 +330,8 @@ def _fp8_encode_ragged(x, block_size: int):
 
 
 def _int8_decode_into(q, scale, out):
-    out.copy_(q.float() * scale)  # (R, B) * (R, 1), cast to out.dtype
+    # (R, B) * (R, 1), cast to out.dtype; the sentinel back to -inf (NOTE [ -inf in int8 ])
+    out.copy_(torch.where(q == INT8_NEG_INF, -math.inf, q.float() * scale))
 
 
 # Same body as _int8_decode_into, but its own code object: dynamo caches graphs per code

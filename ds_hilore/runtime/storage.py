@@ -21,6 +21,24 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A packed group costs its payload plus one fp32 scale: narrower rows (a norm's (B, T, 1) rstd)
 # would grow when "compressed". 16 keeps int8 and fp8 below a bf16 original by 1.6x or more.
 MIN_PACK_GROUP = 16
+# A saved tensor is packed only when it holds at least hidden / MIN_PACK_WIDTH_DIVISOR elements
+# per token (NOTE [ Worth a codec call ]).
+MIN_PACK_WIDTH_DIVISOR = 8
+
+# NOTE [ Worth a codec call ]
+# Every packed tensor costs a codec call in the forward and another at its first read in the
+# backward, and most of a call's cost on small tensors is fixed: the compiled kernel's dispatch
+# and HiLoRe's bookkeeping, 0.3-0.5 ms per encode and about half that per decode on a 2-core
+# CPU whatever the size, where a (2048, 16) tensor's kernel takes under 0.1 ms (on a GPU the
+# kernels shrink and the fixed host cost stays). The narrow tensors of a unit are where those
+# calls go to waste: LoRA's rank-r intermediates (T x r per sequence) are about half of a LoRA
+# unit's codec calls for a few percent of its bytes (paper-cpu, all units L: 56 of 120 encode
+# calls a microbatch, 3 % of the packed bytes, a third of the codec's time).
+# So a tensor narrower per token than 1/8 of the layer's hidden width stays whole (H) inside an
+# L unit: the unit keeps a few percent more bytes and pays half the calls. What L keeps and
+# costs is measured by the profile on the same rule (``Stored.packable``), so the allocator
+# prices L as it runs. Activations as wide as the hidden state or the MLP, and each attention
+# operand with its heads (heads x head_dim per token), stay far above the line.
 
 # NOTE [ Exact zeros ]
 # A sequence whose loss coefficients are all exactly zero receives exactly zero gradient at
