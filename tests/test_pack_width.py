@@ -36,17 +36,22 @@ def _packable_by_width(frame) -> list[tuple[int, bool]]:
     return out
 
 
-@pytest.mark.parametrize("rank", [16, 32])
-def test_an_l_unit_keeps_tensors_narrower_than_an_eighth_of_the_hidden_width_whole(rank,
-                                                                                   monkeypatch):
-    frame, runtime, logits = _forward_l(rank)
-    assert frame.min_pack_width == HIDDEN // MIN_PACK_WIDTH_DIVISOR == 32
-    kept = _packable_by_width(frame)
+def _held(frame) -> dict[str, int]:
+    """Bytes the frame's units hold, by the action of the rows holding them."""
     held = {"H": 0, "L": 0}
     for unit in frame.units:
         for stored in unit.stored:
             for k, v in stored.bytes_by_action().items():
                 held[k] += v
+    return held
+
+
+@pytest.mark.parametrize("rank", [16, 32])
+def test_an_l_unit_keeps_tensors_narrower_than_an_eighth_of_the_hidden_width_whole(rank,
+                                                                                   monkeypatch):
+    frame, runtime, logits = _forward_l(rank)
+    assert frame.min_pack_width == HIDDEN // MIN_PACK_WIDTH_DIVISOR == 32
+    kept, held = _packable_by_width(frame), _held(frame)
     logits.float().sum().backward()
     runtime.end_step()
     assert runtime.stats["actions"]["L"] == 2 and runtime.stats["nonfinite_slices"] == 0
@@ -54,12 +59,7 @@ def test_an_l_unit_keeps_tensors_narrower_than_an_eighth_of_the_hidden_width_who
 
     monkeypatch.setattr(bundle, "MIN_PACK_WIDTH_DIVISOR", HIDDEN + 1)  # the rule off
     frame, runtime, logits = _forward_l(rank)
-    without = _packable_by_width(frame)
-    held_without = {"H": 0, "L": 0}
-    for unit in frame.units:
-        for stored in unit.stored:
-            for k, v in stored.bytes_by_action().items():
-                held_without[k] += v
+    without, held_without = _packable_by_width(frame), _held(frame)
     runtime.detach()
 
     assert [w for w, _ in kept] == [w for w, _ in without]  # the same storages
