@@ -364,7 +364,7 @@ def test_codec_from_config_reads_the_hilore_block():
 
 def test_compile_failure_falls_back_to_eager_and_logs_once(caplog, monkeypatch):
     def enc(x):  # its own code object: dynamo state of the real kernels stays untouched
-        return codecs._encode_rows(x, codecs.INT8_MAX, codecs._int8_grid)
+        return codecs._int8_encode(x)
 
     def broken(gm, example_inputs):
         raise RuntimeError("no C++ compiler")
@@ -386,7 +386,7 @@ def test_compile_failure_falls_back_to_eager_and_logs_once(caplog, monkeypatch):
 def _fresh_int8(monkeypatch, inductor):
     """An int8 codec whose encoder is a kernel of its own, compiled by ``inductor``."""
     def enc(x):  # its own code object: dynamo state of the real kernels stays untouched
-        return codecs._encode_rows(x, codecs.INT8_MAX, codecs._int8_grid)
+        return codecs._int8_encode(x)
 
     kernel = codecs._Kernel(enc, unbacked=True)
     monkeypatch.setattr(kernel, "_inductor", inductor)
@@ -460,7 +460,7 @@ def test_out_of_memory_in_a_compiled_codec_is_raised_not_hidden(monkeypatch):
     # an OOM is not a compiler failure: falling back to eager for good would hide it (and
     # the eager kernel would run out of memory too)
     def enc(x):
-        return codecs._encode_rows(x, codecs.INT8_MAX, codecs._int8_grid)
+        return codecs._int8_encode(x)
 
     kernel = codecs._Kernel(enc, unbacked=True)
 

@@ -92,6 +92,12 @@ _EAGER_CHUNK_NUMEL_ACCELERATOR = 1 << 24  # on other devices (NOTE [ Eager chunk
 # -inf survives exactly (a mask of 0 and -inf packs without error: 0 is exact too). NaN and +inf
 # still make the run non-finite (they reach amax and the stats). fp8 e4m3 is left as it was:
 # there -inf still sends the unit to R.
+# The sentinel is nearly free in the compiled kernels only as written: the encoder picks it on
+# the rounded fp32 grid and casts once, the decoder compares the payload after its cast to
+# fp32. A torch.where on the int8 payload, or on a -inf mask of x kept to the end, splits
+# inductor's loop over a row into several passes over x (fp32 8192 x 1024 on a 2-core Xeon:
+# encode 43 ms against 11 ms without the sentinel, decode 6.8 against 3.0 ms; written this
+# way, 12 and 3.0 ms).
 #
 # NOTE [ Eager chunks ]
 # Unchunked, the eager kernel allocates several full-size fp32 temporaries that the compiled
@@ -267,23 +273,25 @@ def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 
 def _quantise_and_measure(x, xf, scale, unit, to_grid):
-    """Payload, plus stats = (||x - x_hat||^2, ||x||^2) as fp64 (2,).
+    """Payload, plus stats = (||x - x_hat||^2, ||x||^2) as fp64 (2,) (``_measure``)."""
+    q = to_grid(xf / scale)  # (R, B) payload dtype
+    return q, _measure(x, xf, q.float(), scale, unit)
+
+
+def _measure(x, xf, grid, scale, unit):
+    """stats = (||x - x_hat||^2, ||x||^2) as fp64 (2,), x_hat = grid * scale (grid: the payload
+    as fp32).
 
     ``unit`` (R, 1) is a per-row length in which errors are summed: with unit >= the row's
     scale, every term is <= qmax^2, so fp32 row sums cannot overflow; the fp64 total then
     cannot either. ||x||^2 is NaN or inf exactly when x holds NaN or inf.
     """
-    q = to_grid(xf / scale)  # (R, B) payload dtype
-    x_hat = (q.float() * scale).to(x.dtype).float()  # (R, B) exactly what unpack returns
+    x_hat = (grid * scale).to(x.dtype).float()  # (R, B) exactly what unpack returns
     inv = 1.0 / unit  # (R, 1)
     err = ((xf - x_hat) * inv).square().sum(dim=1, keepdim=True)  # (R, 1) in unit^2
     norm = (xf * inv).square().sum(dim=1, keepdim=True)  # (R, 1) in unit^2
     unit2 = unit.double().square()  # (R, 1)
-    return q, torch.stack([(err.double() * unit2).sum(), (norm.double() * unit2).sum()])
-
-
-def _int8_grid(y: torch.Tensor) -> torch.Tensor:
-    return torch.round(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # round half to even
+    return torch.stack([(err.double() * unit2).sum(), (norm.double() * unit2).sum()])
 
 
 def _fp8_grid(y: torch.Tensor) -> torch.Tensor:
@@ -303,13 +311,14 @@ def _encode_rows(x: torch.Tensor, qmax: float, to_grid) -> tuple:
 def _int8_encode(x):
     # NOTE [ -inf in int8 ]: -inf is carried exactly, as the payload INT8_NEG_INF
     xf = x.float()  # (R, B) fp32
-    neg_inf = xf == -math.inf  # (R, B)
-    finite_part = torch.where(neg_inf, 0.0, xf)  # NaN and +inf stay: amax and stats show them
+    finite_part = torch.where(xf == -math.inf, 0.0, xf)  # NaN and +inf stay: amax and stats show them
     amax = finite_part.abs().amax(dim=1, keepdim=True)  # (R, 1)
     scale = _safe_scale(amax, INT8_MAX)  # (R, 1) fp32
     unit = scale.clamp(min=FP32_TINY)  # (R, 1)
-    q, stats = _quantise_and_measure(x, finite_part, scale, unit, _int8_grid)
-    return torch.where(neg_inf, INT8_NEG_INF, q), amax, stats
+    y = torch.round(xf / scale)  # (R, B) fp32, round half to even
+    grid = torch.where(y == -math.inf, INT8_NEG_INF, y.clamp(-INT8_MAX, INT8_MAX))  # (R, B)
+    measured = torch.where(grid < -INT8_MAX, 0.0, grid)  # -inf counted as 0, as in finite_part
+    return grid.to(torch.int8), amax, _measure(x, finite_part, measured, scale, unit)
 
 
 def _fp8_encode(x):
@@ -331,7 +340,8 @@ def _fp8_encode_ragged(x, block_size: int):
 
 def _int8_decode_into(q, scale, out):
     # (R, B) * (R, 1), cast to out.dtype; the sentinel back to -inf (NOTE [ -inf in int8 ])
-    out.copy_(torch.where(q == INT8_NEG_INF, -math.inf, q.float() * scale))
+    grid = q.float()  # compared as fp32: an int8 compare splits the vectorised loop
+    out.copy_(torch.where(grid < -INT8_MAX, -math.inf, grid * scale))
 
 
 # Same body as _int8_decode_into, but its own code object: dynamo caches graphs per code
