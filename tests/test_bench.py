@@ -148,7 +148,7 @@ def test_targets_follow_the_rows(bench):
             and r["peak_bytes"] <= me["budget"] * report["gc_peak_bytes"]
             and r["grad_err"]["mean"] <= targets.ERROR_TOLERANCE}
     assert {r["run"] for r in verdict["rivals"]} == fits
-    # the decisive comparisons: gc, static at this budget, the fastest in-budget rival
+    # the decisive comparisons: gc, static at this budget, the closest in-budget rival
     rivals = {r["rival"] for r in verdict["decisive"]}
     assert {"gc", "static@1.1"} <= rivals and verdict["best_rival"] in rivals
     # 3 rounds cannot give a 95 % interval: nothing is decided, and the report says so
@@ -289,6 +289,35 @@ def test_targets_verdicts_on_known_numbers():
     (v,) = targets.targets(_fake_report(shift_gc=1.10, shift_static=1.0, n=4))
     assert all(r["wall"]["verdict"] == "level" for r in v["rivals"])  # too few rounds
     assert v["met"]["ahead_of_rivals"] is None and set(v["undecided"]) == {"gc", "static@1.1"}
+
+
+def test_best_rival_is_the_closest_by_paired_rounds_not_the_fastest_median():
+    # seven rounds of rising load; hr is 5 % slower than hilore in every round, block_h 20 %
+    # slower except in the middle round, which puts block_h's median step below hr's
+    loads = [1, 2, 3, 4, 5, 6, 7]
+    shifts = {"hr@1.1": [1.05] * 7, "block_h@1.1": [1.2, 1.2, 1.2, 0.9, 1.2, 1.2, 1.2],
+              "gc": [1.5] * 7, "nogc": [0.8] * 7, "hilore@1.1": [1.0] * 7}
+    rounds = [{"round": k, "step": 0, "order": list(shifts),
+               "wall_s": {m: load * s[k] for m, s in shifts.items()},
+               "cpu_s": {m: load * s[k] for m, s in shifts.items()}} for k, load in enumerate(loads)]
+
+    def row(name, peak):
+        method, _, budget = name.partition("@")
+        walls = sorted(r["wall_s"][name] for r in rounds)
+        return {"method": method, "budget": float(budget) if budget else None, "peak_bytes": peak,
+                "timed_as": name, "grad_err": {"mean": 0.0, "max": 0.0}, "recomputed_flops": 0,
+                "step_s": {"median": statistics.median(walls), "min": walls[0], "max": walls[-1]}}
+
+    report = {"gc_peak_bytes": 100, "rounds": rounds,
+              "runs": [row("nogc", 200), row("gc", 100), row("hr@1.1", 105),
+                       row("block_h@1.1", 105), row("hilore@1.1", 108)]}
+    steps = {r["timed_as"]: r["step_s"]["median"] for r in report["runs"]}
+    assert steps["block_h@1.1"] < steps["hr@1.1"]  # the unpaired summary would pick block_h
+    (v,) = targets.targets(report)
+    assert v["best_rival"] == "hr@1.1"
+    assert [c["rival"] for c in v["decisive"]] == ["gc", "hr@1.1"]  # no static in this report
+    hr = next(c for c in v["decisive"] if c["rival"] == "hr@1.1")
+    assert hr["median"] == pytest.approx(1.05) and hr["verdict"] == "ahead"
 
 
 def test_adaptive_rounds_stop_when_decided_or_out_of_time(monkeypatch):

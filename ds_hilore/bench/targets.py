@@ -15,7 +15,8 @@ numbers only:
   HiLoRe's speed over the rival's, median ratio, 95 % interval, ``ahead`` / ``level`` /
   ``behind``) by the wall clock and by CPU-seconds;
 * ``decisive``: the comparisons the adaptive rounds wait for -- against ``gc``, ``static`` at
-  this budget and the best in-budget rival (the fastest by median) -- and ``undecided``.
+  this budget and the best in-budget rival (``best_rival``: the one HiLoRe's paired rounds put
+  closest) -- and ``undecided``.
 
 ``met`` collects each target's verdict (``None`` where the numbers do not decide it).
 """
@@ -26,8 +27,8 @@ from typing import Any
 
 from ds_hilore.bench import paired
 
-__all__ = ["ERROR_TOLERANCE", "FLOPS_AVOIDED", "GAP_CLOSED", "decisive", "label", "samples",
-           "standing", "targets", "targets_text", "timed"]
+__all__ = ["ERROR_TOLERANCE", "FLOPS_AVOIDED", "GAP_CLOSED", "best_rival", "decisive", "label",
+           "samples", "standing", "targets", "targets_text", "timed"]
 
 ERROR_TOLERANCE = 0.010
 FLOPS_AVOIDED = 0.40  # the paper: recompute time -42.8 % at 1.10x
@@ -77,13 +78,23 @@ def _versus(report, me: dict, other: dict) -> dict[str, Any]:
     return out
 
 
+def best_rival(report: dict[str, Any], me: dict[str, Any], rivals: list[dict]) -> str | None:
+    """The in-budget rival closest to ``me`` by the wall clock's paired rounds: the lowest
+    median of its step time over HiLoRe's in the same round (while no round pairs them, the
+    fastest median step). Not the fastest median step once rounds exist: on a shared machine
+    one run's median can sit in quieter rounds than another's."""
+    def closeness(other):
+        ratio = _versus(report, me, other)["wall"]["median"]
+        return (0, ratio) if ratio is not None else (1, other["step_s"]["median"])
+    return label(min(rivals, key=closeness)) if rivals else None
+
+
 def decisive(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per ``hilore`` row: its comparisons with ``gc``, ``static`` at its budget and the best
-    in-budget rival (fastest median step), by the wall clock, each with ``decided``."""
+    in-budget rival (``best_rival``), by the wall clock, each with ``decided``."""
     out = []
     for me in [r for r in report["runs"] if r["method"] == "hilore" and r.get("step_s")]:
-        rivals = _in_budget(report, me)
-        best = label(min(rivals, key=lambda r: r["step_s"]["median"])) if rivals else None
+        best = best_rival(report, me, _in_budget(report, me))
         rows = {label(r): r for r in report["runs"] if r.get("step_s")}
         for name in dict.fromkeys(["gc", f"static@{me['budget']:g}", best]):
             if name in rows:
