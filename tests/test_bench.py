@@ -320,6 +320,33 @@ def test_best_rival_is_the_closest_by_paired_rounds_not_the_fastest_median():
     assert hr["median"] == pytest.approx(1.05) and hr["verdict"] == "ahead"
 
 
+def test_a_steps_flops_count_every_microbatch():
+    # FlopCounterMode starts from zero at each entry: a step of three microbatches must report
+    # three counts, not the last one's
+    import contextlib
+    import types
+
+    from ds_hilore.bench import runs, summary
+
+    model = runs.build_model({"dtype": "fp32", "seed": 0, "model": "tiny", "layers": None,
+                              "lora_r": 0, "device": "cpu"})
+    shape = data.GrpoShape(micro_batch=4, seq_len=16, group_size=4, grad_accum=3,
+                           zero_adv_share=0.0, clip_share=0.0)
+    (micro_batches,) = data.attach_behaviour(data.grpo_steps(shape, vocab=512, steps=1, seed=0),
+                                             lambda ids: runs.logprobs(model, ids), "cpu")
+    run = runs.Run("nogc", None, model=model,
+                   context=types.SimpleNamespace(step=contextlib.nullcontext, runtime=None))
+    runs.step(run, micro_batches, optimize=False, flops=True)
+    three = run.microbatch_flops
+    runs.step(run, micro_batches[:1], optimize=False, flops=True)
+    assert len(three) == 3 and three[0] == run.microbatch_flops[0] > 0
+    assert len(set(three)) == 1  # one shape: the same FLOPs each
+    # above no checkpointing, microbatch by microbatch; one that runs fewer counts 0
+    assert summary.recomputed_flops([15, 4, 12], [10, 10, 10]) == 5 + 0 + 2
+    assert summary.recomputed_flops([15, 4], [10, 10, 10]) is None
+    assert summary.recomputed_flops(None, [10]) is None
+
+
 def test_adaptive_rounds_stop_when_decided_or_out_of_time(monkeypatch):
     from ds_hilore.bench import frontier
 

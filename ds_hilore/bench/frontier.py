@@ -186,7 +186,7 @@ def _gradients(live: list[Run], steps, init, strict: bool = False) -> None:
             if strict:
                 raise
             progress(f"{run.label}: FLOPs not counted ({first_line(error)})")
-            run.backward_flops = None
+            run.microbatch_flops = None
         run.model.zero_grad(set_to_none=True)
 
 

@@ -43,7 +43,7 @@ class Run:
     activation_peak_bytes: int | None = None
     grad_errs: list[float] = dataclasses.field(default_factory=list)  # per step
     grad_errs_micro: list[float] = dataclasses.field(default_factory=list)  # per microbatch
-    backward_flops: int | None = None
+    microbatch_flops: list[int] | None = None  # fwd + bwd FLOPs of each microbatch of one step
     stats: dict[str, Any] | None = None
     note: str | None = None
     copy_of: Run | None = None  # all_l: measured once, reported per budget
@@ -150,18 +150,20 @@ def step(run: Run, micro_batches, optimize: bool = True, flops: bool = False,
         counter = FlopCounterMode(display=False)
     predicted = [sum(exposure(m)) for m in micro_batches]
     step_exposure, exposed = sum(predicted), sum(1 for p in predicted if p > 0)
+    counts = []  # the counter starts from zero at each entry: read per microbatch
     for i, micro in enumerate(micro_batches):
         _expect(run, micro, step_exposure, exposed)
         with run.context.step():
             if counter is not None:
                 with counter:
                     (_forward_loss(model, micro) / n).backward()
+                counts.append(int(counter.get_total_flops()))
             else:
                 (_forward_loss(model, micro) / n).backward()
         if after_each is not None:
             after_each(i)
     if counter is not None:
-        run.backward_flops = int(counter.get_total_flops())
+        run.microbatch_flops = counts
     if optimize:
         run.optimizer.step()
         model.zero_grad(set_to_none=True)  # NOTE [ One baseline for every run ]

@@ -46,6 +46,14 @@ def _empty_row(row: dict[str, Any], reason: str) -> dict[str, Any]:
     return row
 
 
+def recomputed_flops(mine: list[int] | None, nogc: list[int] | None) -> int | None:
+    """FLOPs a step runs above no checkpointing's, microbatch by microbatch: a microbatch that
+    runs fewer (its backward skipped, or its rows elided) recomputes nothing and counts 0."""
+    if mine is None or nogc is None or len(mine) != len(nogc):
+        return None
+    return sum(max(0, m - n) for m, n in zip(mine, nogc))
+
+
 def _row(run, gc_peak: int, tokens: dict[int, int], nogc_flops) -> dict[str, Any]:
     """One run's row; ``tokens``: round -> tokens of the step that round ran (the filtered
     variant's steps differ in size)."""
@@ -76,9 +84,8 @@ def _row(run, gc_peak: int, tokens: dict[int, int], nogc_flops) -> dict[str, Any
                                                   "risk_budget")}
                       if src.stats and stats.get("budget_bytes") is not None else None),
         "gap_closed": None, "vs_gc": None,  # filled from the rounds below
-        "recomputed_flops": (None if nogc_flops is None or src.backward_flops is None
-                             else max(0, src.backward_flops - nogc_flops)),
-        "update_flops": src.backward_flops,
+        "recomputed_flops": recomputed_flops(src.microbatch_flops, nogc_flops),
+        "update_flops": None if src.microbatch_flops is None else sum(src.microbatch_flops),
         "skipped": None if wall else "no timed round",
         "profile_s": src.profile_s, "warmup_steps": src.warmup_steps,
     })
@@ -139,7 +146,7 @@ def report(config, runs, gc_peak: int, steps, block_k, records) -> dict[str, Any
     """The JSON document (see ``ds_hilore.bench.frontier``) from the runs measured so far."""
     per_step = [sum(int(m["input_ids"].numel()) for m in s) for s in steps]  # tokens
     tokens = {r["round"]: per_step[r["step"]] for r in records}
-    nogc_flops = next((r.backward_flops for r in runs if r.method == "nogc" and r.live), None)
+    nogc_flops = next((r.microbatch_flops for r in runs if r.method == "nogc" and r.live), None)
     rows = [_row(r, gc_peak, tokens, nogc_flops) for r in runs]
     cfg = {k: v for k, v in config.items() if k != "layers_n"}
     cfg["layers_built"] = config["layers_n"]
