@@ -116,8 +116,9 @@ def table(report) -> str:
                  "of the signed-rank test (none below 6 rounds); peak: whole process, act: above "
                  "the step's start; fits: peak <= budget x GC peak; step err: ||g - g_nogc|| / "
                  "||g_nogc|| of the step's accumulated gradient, mb err: per microbatch; gap: "
-                 "(t_gc - t) / (t_gc - t_nogc) of medians; recomp GF: fwd+bwd GFLOPs above "
-                 "nogc's (FlopCounterMode).")
+                 "(t_gc - t) / (t_gc - t_nogc) of medians; recomp GF: a step's fwd+bwd GFLOPs "
+                 "above nogc's, microbatch by microbatch (FlopCounterMode; one that runs fewer "
+                 "counts 0).")
     return "\n".join(lines)
 
 
