@@ -275,18 +275,18 @@ def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 def _quantise_and_measure(x, xf, scale, unit, to_grid):
     """Payload, plus stats = (||x - x_hat||^2, ||x||^2) as fp64 (2,) (``_measure``)."""
     q = to_grid(xf / scale)  # (R, B) payload dtype
-    return q, _measure(x, xf, q.float(), scale, unit)
+    return q, _measure(x, xf, q.float(), scale, unit)  # a fresh grid: _measure may overwrite it
 
 
 def _measure(x, xf, grid, scale, unit):
     """stats = (||x - x_hat||^2, ||x||^2) as fp64 (2,), x_hat = grid * scale (grid: the payload
-    as fp32).
+    as fp32, overwritten by x_hat: one full-size temporary fewer in the eager kernel).
 
     ``unit`` (R, 1) is a per-row length in which errors are summed: with unit >= the row's
     scale, every term is <= qmax^2, so fp32 row sums cannot overflow; the fp64 total then
     cannot either. ||x||^2 is NaN or inf exactly when x holds NaN or inf.
     """
-    x_hat = (grid * scale).to(x.dtype).float()  # (R, B) exactly what unpack returns
+    x_hat = grid.mul_(scale).to(x.dtype).float()  # (R, B) exactly what unpack returns
     inv = 1.0 / unit  # (R, 1)
     err = ((xf - x_hat) * inv).square().sum(dim=1, keepdim=True)  # (R, 1) in unit^2
     norm = (xf * inv).square().sum(dim=1, keepdim=True)  # (R, 1) in unit^2
@@ -315,10 +315,13 @@ def _int8_encode(x):
     amax = finite_part.abs().amax(dim=1, keepdim=True)  # (R, 1)
     scale = _safe_scale(amax, INT8_MAX)  # (R, 1) fp32
     unit = scale.clamp(min=FP32_TINY)  # (R, 1)
-    y = torch.round(xf / scale)  # (R, B) fp32, round half to even
-    grid = torch.where(y == -math.inf, INT8_NEG_INF, y.clamp(-INT8_MAX, INT8_MAX))  # (R, B)
-    measured = torch.where(grid < -INT8_MAX, 0.0, grid)  # -inf counted as 0, as in finite_part
-    return grid.to(torch.int8), amax, _measure(x, finite_part, measured, scale, unit)
+    # one name per (R, B) fp32 temporary, updated in place where it can be: the eager kernel
+    # then holds no more of them at once than it did without the sentinel (NOTE [ Eager chunks ])
+    grid = torch.round(xf / scale)  # (R, B) fp32, round half to even
+    grid = torch.where(grid == -math.inf, INT8_NEG_INF, grid.clamp(-INT8_MAX, INT8_MAX))
+    q = grid.to(torch.int8)
+    grid.masked_fill_(grid < -INT8_MAX, 0.0)  # -inf counted as 0, as in finite_part
+    return q, amax, _measure(x, finite_part, grid, scale, unit)
 
 
 def _fp8_encode(x):
