@@ -67,7 +67,7 @@ def position_ids(attention_mask: Tensor) -> Tensor:
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
     """(N, C) fp32 log-probs of the completion tokens under ``model`` (a DeepSpeed engine or a
-    module), from the last hidden state (position t predicts t + 1) in chunks (``token_logprobs``: no (N, C, V) fp32
+    module), from the last hidden state in chunks (``token_logprobs``: no (N, C, V) fp32
     logits are held). Under ZeRO-3 the LM head's weight exists only inside the forward, so
     there the forward computes the completion's logits itself."""
     lm = model.module if hasattr(model, "module") else model
@@ -78,10 +78,17 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, prompt_l
     if hasattr(head.weight, "ds_numel"):  # partitioned by ZeRO-3
         logits = model(**inputs, logits_to_keep=completion.shape[1] + 1).logits[:, :-1].float()  # (N, C, V)
         return logits.log_softmax(-1).gather(-1, completion[..., None])[..., 0]
-    # The decoder's own output, not ``output_hidden_states=True``: recording every layer's
-    # output tells HiLoRe a loss may read any of them, and it then checks each layer's
-    # incoming gradient in the backward (one all-reduce per layer under several ranks).
-    hidden = lm.get_decoder()(**inputs).last_hidden_state[:, prompt_len - 1:-1]  # (N, C, H)
+    # The decoder's output, caught by a hook on the engine's own forward, not
+    # ``output_hidden_states=True``: recording every layer's output tells HiLoRe a loss may
+    # read any of them, and it then checks each layer's incoming gradient in the backward
+    # (one all-reduce per layer and microbatch under several ranks).
+    kept = []
+    hook = lm.get_decoder().register_forward_hook(lambda _m, _a, out: kept.append(out[0]))
+    try:
+        model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = kept[-1][:, prompt_len - 1:-1]  # (N, C, H): position t predicts t + 1
     return token_logprobs(hidden, head, completion)  # (N, C)
 
 
