@@ -8,7 +8,7 @@
     hilore profile --model qwen2 --seq-len 512 --micro-batch 8 [--json PATH]
                                               measured cost, utility and susceptibility per unit
     hilore bench --model tiny --budgets 1.05,1.10,1.20 [--json OUT.json --plot OUT.png]
-    hilore bench --report OUT.json [--plot OUT.png]
+    hilore bench --report OUT.json [--plot OUT.png] | --report A.json B.json ...
                                               throughput / memory / gradient-error frontier
     hilore config --check ds_config.json      validate the "hilore" block; exit 2 on error
 """

@@ -17,6 +17,7 @@ import torch
 
 from ds_hilore import cli
 from ds_hilore.bench import data, paired, targets
+from ds_hilore.bench import report as report_module
 from ds_hilore.bench.methods import METHODS
 
 ROUNDS = 3
@@ -597,3 +598,30 @@ def test_block_h_k_is_found_against_gc_measured_beside_the_probe(monkeypatch):
     assert k == 7  # against GC's first reading (1100 -> 1210) no k would fit: k = 0
     assert probes == [(4, 1490, 1410), (6, 1530, 1410), (7, 1550, 1410), (8, 1570, 1410)]
     assert alive["bytes"] == 1300  # every probe closed
+
+
+def test_several_reports_side_by_side_say_how_many_runs_agreed(tmp_path, capsys):
+    # two runs of one command: static 6 % slower than hilore in the first (decided ahead),
+    # as fast in the second (level); GC 10 % slower in both
+    first, second = (_fake_report(shift_gc=1.10, shift_static=s, n=10) for s in (1.06, 1.0))
+    paths = []
+    for name, report in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps(report))
+        paths.append(str(tmp_path / name))
+    text = report_module.across_runs([first, second], paths)
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ")
+             and not line.startswith("  run ")}
+    assert lines["gc"].endswith("=> ahead in every run")
+    assert lines["static@1.1"].endswith("=> ahead in 1, level in 1 of 2 runs")
+    assert "over budget" in lines["nogc"]  # 2x GC's peak: not a rival within the budget
+    static_first = paired.compare(*targets.samples(first, "hilore@1.1", "static@1.1", "wall_s"))
+    assert f"ahead x{static_first['median']:.3f} [{static_first['low']:.3f}-" in lines["static@1.1"]
+    # the console command: the same text; --plot redraws one report only; an unreadable file
+    assert cli.main(["bench", "--report", *paths]) == 0
+    assert capsys.readouterr().out.strip() == text
+    assert cli.main(["bench", "--report", *paths, "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "redraws one report" in err[0]
+    assert cli.main(["bench", "--report", paths[0], str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.json: not a readable hilore bench report" in err[0]

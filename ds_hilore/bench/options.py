@@ -223,6 +223,7 @@ def add_arguments(parser) -> None:
                         help="a method that fails (setup, a step, the FLOP count) ends the bench "
                              "with its error instead of being reported as skipped")
     add_run_arguments(parser)
-    parser.add_argument("--report", metavar="IN.json", default=None,
+    parser.add_argument("--report", metavar="IN.json", nargs="+", default=None,
                         help="print the table and targets of a saved report (with --plot: redraw "
-                             "it) instead of running")
+                             "it) instead of running; several reports (runs of one command): "
+                             "their paired verdicts side by side")

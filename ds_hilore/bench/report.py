@@ -1,15 +1,27 @@
 """Reading a ``hilore bench`` report: the table (with each run's paired speed against GC), the
 frontier plot and its paired panel, min-max overlaps, the runtime's efficiency lines, and
-``--report`` (a saved report printed again)."""
+``--report`` (a saved report printed again; several reports side by side: ``across_runs``).
+
+NOTE [ Verdicts across runs ]
+One run's interval is over its rounds: the load of the machine from round to round. It does not
+cover what changes between runs of the same command -- the plan HiLoRe's profile chooses from
+timings it measures, the load over the whole run -- and on a shared CPU, where methods differ by
+a few percent, two runs can each decide, on opposite sides. ``--report A.json B.json ...``
+puts every run's paired verdicts side by side: a comparison is "ahead in every run" only when
+each run's interval lies above 1; anything else is said as counts. The runs are not pooled
+into one interval: rounds of different runs are not exchangeable, and a handful of runs is
+too few for an interval over runs.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from ds_hilore.bench.targets import targets, targets_text
+from ds_hilore.bench import paired
+from ds_hilore.bench.targets import label, samples, targets, targets_text, timed
 
-__all__ = ["BenchReportError", "efficiency", "overlaps", "plot", "show", "table"]
+__all__ = ["BenchReportError", "across_runs", "efficiency", "overlaps", "plot", "show", "table"]
 
 MiB = 1 << 20
 
@@ -182,19 +194,76 @@ def plot(report, path: str) -> None:
     plt.close(fig)
 
 
-def show(report_path: str, plot_path: str | None) -> int:
-    """``--report``: the table (with the targets) of a saved report; ``--plot`` redraws it."""
+def across_runs(reports: list[dict], names: list[str]) -> str:
+    """Each ``hilore`` row's paired verdicts by the wall clock in every report, side by side,
+    with how many runs said what (NOTE [ Verdicts across runs ])."""
+    n = len(reports)
+    lines = [f"{n} runs, each compared over its own paired rounds (wall clock): the median ratio",
+             "of the rival's step time over hilore's, the 95 % CI of the run's signed-rank test;",
+             "'over budget': the rival's peak or error was outside hilore's budget in that run"]
+    lines += [f"  run {i + 1}: {name} ({len(r.get('rounds', []))} rounds)"
+              for i, (name, r) in enumerate(zip(names, reports))]
+    mine = list(dict.fromkeys(label(row) for r in reports for row in r["runs"]
+                              if row["method"] == "hilore" and row.get("step_s")))
+    for me in mine:
+        rivals = list(dict.fromkeys(label(row) for r in reports for row in r["runs"]
+                                    if row["method"] != "hilore" and row.get("step_s")))
+        lines.append(f"{me} vs")
+        for rival in rivals:
+            cells, said = [], []
+            for report in reports:
+                rows = {label(row): row for row in report["runs"] if row.get("step_s")}
+                fits = {r["run"] for v in targets(report) if f"hilore@{v['budget']:g}" == me
+                        for r in v["rivals"]}
+                if me not in rows or rival not in rows:
+                    cells.append("-")
+                    continue
+                c = paired.compare(*samples(report, timed(rows[me]), timed(rows[rival]), "wall_s"))
+                said.append(c["verdict"])
+                interval = (f" [{c['low']:.3f}-{c['high']:.3f}]" if c["low"] is not None else "")
+                cells.append((f"{c['verdict']} x{c['median']:.3f}{interval}"
+                              if c["median"] is not None else "no paired rounds")
+                             + ("" if rival in fits else " over budget"))
+            lines.append(f"  {rival:<14} " + " | ".join(cells) + f"  => {_agreement(said, n)}")
+    return "\n".join(lines)
+
+
+def _agreement(said: list[str], n: int) -> str:
+    """What ``said`` (one verdict per run that has both rows) adds up to, over ``n`` runs."""
+    runs = "runs" if len(said) == n else f"runs with it ({len(said)} of {n})"
+    if not said:
+        return "in no run"
+    if len(set(said)) == 1:
+        return f"{said[0]} in every run" if len(said) == n else f"{said[0]} in all {runs}"
+    counts = ", ".join(f"{v} in {said.count(v)}" for v in ("ahead", "level", "behind") if v in said)
+    return f"{counts} of {len(said)} {runs}"
+
+
+def _load(report_path: str, alone: bool) -> dict:
+    """A saved report, checked by rendering what ``show`` prints of it (``alone``: its table;
+    else its part of ``across_runs``)."""
     try:
         with open(report_path, encoding="utf-8") as handle:
             report = json.load(handle)
-        text = table(report)
+        table(report) if alone else across_runs([report], [report_path])
+        return report
     except (OSError, ValueError, KeyError, TypeError) as error:
         reason = str(error).strip().splitlines()[:1]
         raise BenchReportError(f"--report {report_path}: not a readable hilore bench report "
                                f"({type(error).__name__}{': ' + reason[0][:200] if reason else ''})"
                                ) from None
-    print(text)
+
+
+def show(report_paths: list[str] | str, plot_path: str | None) -> int:
+    """``--report``: the table (with the targets) of a saved report, ``--plot`` redraws it;
+    several reports: their verdicts side by side (``across_runs``)."""
+    paths = [report_paths] if isinstance(report_paths, str) else list(report_paths)
+    if len(paths) > 1 and plot_path:
+        raise BenchReportError(f"--plot {plot_path}: redraws one report; give --report one file "
+                               f"(got {len(paths)})")
+    reports = [_load(path, alone=len(paths) == 1) for path in paths]
+    print(table(reports[0]) if len(reports) == 1 else across_runs(reports, paths))
     if plot_path:
-        plot(report, plot_path)
+        plot(reports[0], plot_path)
         print(f"hilore bench: wrote {plot_path}", file=sys.stderr, flush=True)
     return 0
