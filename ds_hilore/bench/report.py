@@ -205,16 +205,16 @@ def across_runs(reports: list[dict], names: list[str]) -> str:
               for i, (name, r) in enumerate(zip(names, reports))]
     mine = list(dict.fromkeys(label(row) for r in reports for row in r["runs"]
                               if row["method"] == "hilore" and row.get("step_s")))
+    rivals = list(dict.fromkeys(label(row) for r in reports for row in r["runs"]
+                                if row["method"] != "hilore" and row.get("step_s")))
+    timed_rows = [{label(row): row for row in r["runs"] if row.get("step_s")} for r in reports]
+    in_budget = [{f"hilore@{v['budget']:g}": {c["run"] for c in v["rivals"]} for v in targets(r)}
+                 for r in reports]  # per report: hilore's label -> the rivals within its budget
     for me in mine:
-        rivals = list(dict.fromkeys(label(row) for r in reports for row in r["runs"]
-                                    if row["method"] != "hilore" and row.get("step_s")))
         lines.append(f"{me} vs")
         for rival in rivals:
             cells, said = [], []
-            for report in reports:
-                rows = {label(row): row for row in report["runs"] if row.get("step_s")}
-                fits = {r["run"] for v in targets(report) if f"hilore@{v['budget']:g}" == me
-                        for r in v["rivals"]}
+            for report, rows, fits in zip(reports, timed_rows, in_budget):
                 if me not in rows or rival not in rows:
                     cells.append("-")
                     continue
@@ -223,7 +223,7 @@ def across_runs(reports: list[dict], names: list[str]) -> str:
                 interval = (f" [{c['low']:.3f}-{c['high']:.3f}]" if c["low"] is not None else "")
                 cells.append((f"{c['verdict']} x{c['median']:.3f}{interval}"
                               if c["median"] is not None else "no paired rounds")
-                             + ("" if rival in fits else " over budget"))
+                             + ("" if rival in fits.get(me, ()) else " over budget"))
             lines.append(f"  {rival:<14} " + " | ".join(cells) + f"  => {_agreement(said, n)}")
     return "\n".join(lines)
 
@@ -245,7 +245,10 @@ def _load(report_path: str, alone: bool) -> dict:
     try:
         with open(report_path, encoding="utf-8") as handle:
             report = json.load(handle)
-        table(report) if alone else across_runs([report], [report_path])
+        if alone:
+            table(report)
+        else:
+            across_runs([report], [report_path])
         return report
     except (OSError, ValueError, KeyError, TypeError) as error:
         reason = str(error).strip().splitlines()[:1]
