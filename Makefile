@@ -12,6 +12,9 @@ TORCH_PIP_ARGS ?=
 # Per-test limit in seconds: a hung collective fails its test instead of the whole run.
 TEST_TIMEOUT ?= 900
 PYTEST_ARGS ?=
+# pytest-xdist workers, a whole test module each (NOTE [ Two test workers ] in tests/conftest.py);
+# 0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 # tests/test_openrlhf.py checks the README's OpenRLHF command against this release's argument
 # parser; it reads OpenRLHF's sources only, so the package goes in without its dependencies
 # (Ray, vLLM, flash-attn), which leaves every other package of the environment as it was.
@@ -44,7 +47,7 @@ $(STAMP): setup.py
 	touch $@
 
 test: venv
-	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(TORCH_EXTENSIONS_DIR) $(BIN)/python -m pytest tests -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(TORCH_EXTENSIONS_DIR) $(BIN)/python -m pytest tests -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The same seeded GRPO run (2 ranks, ZeRO-2, LoRA) with gradient checkpointing and with HiLoRe,
 # then side by side; writes under output/demo. Extra trainer arguments: make demo DEMO_ARGS="...".

@@ -80,7 +80,10 @@ setup(
     # trl: tests/test_trl.py runs TRL's GRPOTrainer; 1.16 keeps the torch, transformers,
     # deepspeed and accelerate versions above as they are.
     # mpi: only launches through mpirun need mpi4py (DeepSpeed's MPI discovery); make installs it.
-    extras_require={"test": ["pytest", "pytest-timeout", "trl==1.16.0"], "mpi": ["mpi4py"]},
+    # pytest-xdist: `make test` runs the suite on two workers (NOTE [ Two test workers ] in
+    # tests/conftest.py).
+    extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "trl==1.16.0"],
+                    "mpi": ["mpi4py"]},
     entry_points={"console_scripts": ["hilore=ds_hilore.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,4 +1,15 @@
-"""Session-wide hygiene for the test suite."""
+"""Session-wide hygiene for the test suite, and the order modules run in.
+
+# NOTE [ Two test workers ]
+# `make test` runs the suite on two pytest-xdist workers, a whole module per worker
+# (`--dist loadfile`): its module-scoped launches run once, on one worker. Most of the suite's
+# time is 2-rank launches whose launcher and imports keep one core busy while the other waits,
+# so two workers finish the suite in about four fifths of the time one takes on a 2-core
+# machine. Modules with a multi-process test go first, then those with other slow tests
+# (`pytest_collection_modifyitems`): the longest pieces of work start first and the short ones fill in behind them, so neither worker
+# is left running a long launch alone at the end. Nothing in a test depends on the order of
+# modules or on the load of the machine; `PYTEST_WORKERS=0` (make) runs in one process.
+"""
 
 from pathlib import Path
 
@@ -6,17 +17,39 @@ import pytest
 
 _SHM = Path("/dev/shm")
 _BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-reduce, left behind by its ranks
+_LEFT_BEFORE = "_hilore_shm_before"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _remove_leaked_shared_memory():
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")  # an xdist worker (the controller has no such input)
+
+
+def pytest_sessionstart(session):
+    """Note the buffers that exist before the run (controller or single process only)."""
+    if not _is_worker(session.config) and _SHM.is_dir():
+        setattr(session.config, _LEFT_BEFORE, set(_SHM.glob(_BUFFERS)))
+
+
+def pytest_sessionfinish(session):
     """Every 2-rank launch leaves DeepSpeed's shared-memory all-reduce buffers (~70 MB per rank)
-    in /dev/shm, which is the machine's memory: remove the ones this session created."""
-    before = set(_SHM.glob(_BUFFERS)) if _SHM.is_dir() else set()
-    yield
-    if _SHM.is_dir():
-        for path in set(_SHM.glob(_BUFFERS)) - before:
-            path.unlink(missing_ok=True)
+    in /dev/shm, which is the machine's memory: remove the ones this run created. Done once,
+    after every worker has finished: a worker that removed them on its own would pull them from
+    under a launch still running on the other."""
+    before = getattr(session.config, _LEFT_BEFORE, None)
+    if before is None:
+        return
+    for path in set(_SHM.glob(_BUFFERS)) - before:
+        path.unlink(missing_ok=True)
+
+
+def pytest_collection_modifyitems(items):
+    """Modules with a multi-process test first, then those with a slow one, each module's tests
+    in their own order (NOTE [ Two test workers ])."""
+    rank: dict[str, int] = {}
+    for item in items:
+        marked = 0 if item.get_closest_marker("distributed") else 1 if item.get_closest_marker("slow") else 2
+        rank[item.module.__name__] = min(marked, rank.get(item.module.__name__, 2))
+    items.sort(key=lambda item: rank[item.module.__name__])  # stable: modules stay whole
 
 
 @pytest.fixture(autouse=True)
