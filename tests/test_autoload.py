@@ -30,7 +30,13 @@ from tests.launch import REPO_ROOT, free_port  # noqa: E402
 from tests.workers import ds_engine_worker as worker  # noqa: E402
 
 PTH = "ds_hilore_autoload.pth"
-PTH_BUDGET_S = 0.005  # what the .pth may add to interpreter start
+# NOTE [ What the .pth may cost ]
+# The .pth line runs in every interpreter of the environment, so it must stay cheap: without the
+# variables it imports nothing; with DS_HILORE=1 it loads only the small hook module (which
+# imports nothing that was not loaded already: no torch, no deepspeed, no ds_hilore). The tests
+# assert exactly which modules the line adds to sys.modules -- deterministic on any machine --
+# and print the measured cost (tens of microseconds / about a millisecond on a 2-core Xeon)
+# without asserting on it: a time limit would fail on a loaded machine.
 _VARIABLES = (autoload.ENV_SWITCH, autoload.ENV_CONFIG)
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -58,13 +64,15 @@ _PROBE = """
     heavy = ("torch", "deepspeed", "ds_hilore", "_ds_hilore_autoload")
     at_start = {name: name in sys.modules for name in heavy}
     hook_first = type(sys.meta_path[0]).__name__
-    cost = None
-    if "_ds_hilore_autoload" not in sys.modules:  # what site did at start, timed (variables set here)
+    cost, added = None, None
+    if "_ds_hilore_autoload" not in sys.modules:  # what site did at start (variables set here)
         os.environ.update(json.loads(sys.argv[1]))
+        before = set(sys.modules)
         start = time.perf_counter()
         site.addpackage(%r, %r, set())
         cost = time.perf_counter() - start
-    print(json.dumps({"at_start": at_start, "hook_first": hook_first, "cost_s": cost,
+        added = sorted(set(sys.modules) - before)
+    print(json.dumps({"at_start": at_start, "hook_first": hook_first, "cost_s": cost, "added": added,
                       "after": {name: name in sys.modules for name in heavy},
                       "hook_first_after": type(sys.meta_path[0]).__name__}))
 """
@@ -72,7 +80,8 @@ _PROBE = """
 
 def _probe(variables_after_start: dict | None = None, **env: str) -> dict:
     """A fresh interpreter reports what its start imported; with ``variables_after_start`` it
-    also times the .pth's line with those variables set, as ``site`` runs it. Bytecode may be
+    also runs the .pth's line with those variables set, as ``site`` runs it, and reports the
+    modules it added and its time (NOTE [ What the .pth may cost ]). Bytecode may be
     cached (PYTHONDONTWRITEBYTECODE unset), as on a user's machine after the first start."""
     pth = _installed_pth()
     code = textwrap.dedent(_PROBE % (str(pth.parent), pth.name))
@@ -92,22 +101,22 @@ def test_pth_is_installed_and_names_the_hook():
     assert line.count("\n") == 1  # site runs each line on its own
 
 
-def test_without_the_variables_the_pth_imports_nothing_and_costs_under_5ms():
-    got = _probe()
+def test_without_the_variables_the_pth_imports_nothing():
+    got = _probe(variables_after_start={})
     nothing = {"torch": False, "deepspeed": False, "ds_hilore": False, "_ds_hilore_autoload": False}
     assert got["at_start"] == nothing and got["after"] == nothing
+    assert got["added"] == []  # the line ran and imported nothing at all
     assert got["hook_first_after"] != "_DeepSpeedImportHook"
-    print(f"\n.pth cost without the variables: {got['cost_s'] * 1e6:.1f} us")
-    assert got["cost_s"] < PTH_BUDGET_S
+    print(f"\n.pth cost without the variables: {got['cost_s'] * 1e6:.1f} us (not asserted)")
 
 
-def test_with_the_variable_the_pth_installs_the_hook_in_under_5ms_without_torch():
-    _probe(variables_after_start={"DS_HILORE": "1"})  # caches the hook module's bytecode
-    got = _probe(variables_after_start={"DS_HILORE": "1"})  # the module loads inside the timing
+def test_with_the_variable_the_pth_installs_the_hook_loading_only_its_module():
+    got = _probe(variables_after_start={"DS_HILORE": "1"})
     assert got["after"] == {"torch": False, "deepspeed": False, "ds_hilore": False, "_ds_hilore_autoload": True}
+    assert got["added"] == ["_ds_hilore_autoload"]  # nothing it imports was not loaded already
     assert got["hook_first_after"] == "_DeepSpeedImportHook"
-    print(f"\n.pth cost with DS_HILORE=1 (hook module loaded and installed): {got['cost_s'] * 1e3:.2f} ms")
-    assert got["cost_s"] < PTH_BUDGET_S
+    print(f"\n.pth cost with DS_HILORE=1 (hook module loaded and installed): "
+          f"{got['cost_s'] * 1e3:.2f} ms (not asserted)")
     at_start = _probe(DS_HILORE="1")  # the real interpreter start
     assert at_start["at_start"]["_ds_hilore_autoload"] and not at_start["at_start"]["torch"]
     assert at_start["hook_first"] == "_DeepSpeedImportHook"
