@@ -229,6 +229,34 @@ def test_compiled_kernels_do_not_recompile_for_new_shapes():
 
 
 @needs_compile
+@pytest.mark.parametrize("encode", [codecs._int8_encode, codecs._fp8_encode], ids=["int8", "fp8"])
+def test_compiled_encoder_reads_x_in_one_loop_over_rows(encode):
+    """NOTE [ Size hints of unbacked sizes ]: a row's amax, error and norm sums and payload are
+    computed in one parallel loop over rows (without the hints: four or five loops, each a pass
+    over x), and the kernel still equals the eager one."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    def enc(x):  # a kernel of its own: the codecs' compiled kernels stay untouched
+        return encode(x)
+
+    kernel, x = codecs._Kernel(enc, unbacked=True), gaussian(256, 512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # with one thread inductor writes no parallel loops
+    try:
+        compiled, sources = run_and_get_code(kernel.compiled, x)
+    finally:
+        torch.set_num_threads(threads)
+    assert compiled is not codecs._FAILED and kernel.graphs == 1
+    loops = "".join(sources).split("#pragma omp for")[1:]  # each: one parallel loop to the next
+    assert len([body for body in loops if "in_ptr0" in body]) == 1, "x is read by several loops"
+    q, amax, stats = compiled
+    q_eager, amax_eager, stats_eager = encode(x)
+    assert torch.equal(q.view(torch.uint8), q_eager.view(torch.uint8)) and torch.equal(amax, amax_eager)
+    assert torch.allclose(stats, stats_eager, rtol=1e-6)
+
+
+@needs_compile
 def test_compiled_codec_works_inside_saved_tensor_hooks_and_backward():
     w = gaussian(64, 64, seed=1).requires_grad_(True)
     x = gaussian(128, 64)
