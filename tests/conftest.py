@@ -1,4 +1,4 @@
-"""Session-wide hygiene for the test suite, and the order modules run in.
+"""Session-wide hygiene for the test suite, and the order modules run in."""
 
 # NOTE [ Two test workers ]
 # `make test` runs the suite on two pytest-xdist workers, a whole module per worker
@@ -6,10 +6,10 @@
 # time is 2-rank launches whose launcher and imports keep one core busy while the other waits,
 # so two workers finish the suite in about four fifths of the time one takes on a 2-core
 # machine. Modules with a multi-process test go first, then those with other slow tests
-# (`pytest_collection_modifyitems`): the longest pieces of work start first and the short ones fill in behind them, so neither worker
-# is left running a long launch alone at the end. Nothing in a test depends on the order of
-# modules or on the load of the machine; `PYTEST_WORKERS=0` (make) runs in one process.
-"""
+# (`pytest_collection_modifyitems`): the longest pieces of work start first and the short ones
+# fill in behind them, so neither worker is left running a long launch alone at the end.
+# Nothing in a test depends on the order of modules or on the load of the machine;
+# `make test PYTEST_WORKERS=0` runs the suite in one process.
 
 from pathlib import Path
 
@@ -45,11 +45,14 @@ def pytest_sessionfinish(session):
 def pytest_collection_modifyitems(items):
     """Modules with a multi-process test first, then those with a slow one, each module's tests
     in their own order (NOTE [ Two test workers ])."""
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
     rank: dict[str, int] = {}
     for item in items:
         marked = 0 if item.get_closest_marker("distributed") else 1 if item.get_closest_marker("slow") else 2
-        rank[item.module.__name__] = min(marked, rank.get(item.module.__name__, 2))
-    items.sort(key=lambda item: rank[item.module.__name__])  # stable: modules stay whole
+        rank[module(item)] = min(marked, rank.get(module(item), 2))
+    items.sort(key=lambda item: rank[module(item)])  # stable: each module's tests stay together
 
 
 @pytest.fixture(autouse=True)
