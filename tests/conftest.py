@@ -7,7 +7,9 @@
 # so two workers finish the suite in about four fifths of the time one takes on a 2-core
 # machine. Modules with a multi-process test go first, then those with other slow tests
 # (`pytest_collection_modifyitems`): the longest pieces of work start first and the short ones
-# fill in behind them, so neither worker is left running a long launch alone at the end.
+# fill in behind them, so neither worker is left running a long launch alone at the end
+# (`--no-loadscope-reorder`: by default xdist reorders modules by their number of tests, which
+# put the launching modules, few tests each, last, and one worker ran them alone for minutes).
 # Nothing in a test depends on the order of modules or on the load of the machine;
 # `make test PYTEST_WORKERS=0` runs the suite in one process.
 
