@@ -4,8 +4,8 @@
 # `make test` runs the suite on two pytest-xdist workers, a whole module per worker
 # (`--dist loadfile`): its module-scoped launches run once, on one worker. Most of the suite's
 # time is 2-rank launches whose launcher and imports keep one core busy while the other waits,
-# so two workers finish the suite in about four fifths of the time one takes on a 2-core
-# machine. Modules with a multi-process test go first, then those with other slow tests
+# so two workers finish the suite in about three quarters of the time one takes on a 2-core
+# machine (fresh clone: 819 s against 1072-1228 s). Modules with a multi-process test go first, then those with other slow tests
 # (`pytest_collection_modifyitems`): the longest pieces of work start first and the short ones
 # fill in behind them, so neither worker is left running a long launch alone at the end
 # (`--no-loadscope-reorder`: by default xdist reorders modules by their number of tests, which
