@@ -19,7 +19,7 @@ import pytest
 
 _SHM = Path("/dev/shm")
 _BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-reduce, left behind by its ranks
-_LEFT_BEFORE = "_hilore_shm_before"
+_LEFT_BEFORE = pytest.StashKey[set]()  # the buffers that existed before the run
 
 
 def _is_worker(config) -> bool:
@@ -29,7 +29,7 @@ def _is_worker(config) -> bool:
 def pytest_sessionstart(session):
     """Note the buffers that exist before the run (controller or single process only)."""
     if not _is_worker(session.config) and _SHM.is_dir():
-        setattr(session.config, _LEFT_BEFORE, set(_SHM.glob(_BUFFERS)))
+        session.config.stash[_LEFT_BEFORE] = set(_SHM.glob(_BUFFERS))
 
 
 def pytest_sessionfinish(session):
@@ -37,8 +37,8 @@ def pytest_sessionfinish(session):
     in /dev/shm, which is the machine's memory: remove the ones this run created. Done once,
     after every worker has finished: a worker that removed them on its own would pull them from
     under a launch still running on the other."""
-    before = getattr(session.config, _LEFT_BEFORE, None)
-    if before is None:
+    before = session.config.stash.get(_LEFT_BEFORE, None)
+    if before is None:  # an xdist worker: the controller removes them
         return
     for path in set(_SHM.glob(_BUFFERS)) - before:
         path.unlink(missing_ok=True)

@@ -266,7 +266,8 @@ def compile_unavailable(device_type: str) -> str | None:
 # (rows, features) hints of unbacked sizes (NOTE [ Size hints of unbacked sizes ]); a torch
 # whose mark_unbacked takes no hint compiles the same kernels without them (slower, as exact)
 _UNBACKED_HINTS = (4096, 1024)
-_TAKES_HINTS = "hint_override" in inspect.signature(mark_unbacked).parameters
+_HINT_KWARGS = (tuple({"hint_override": h} for h in _UNBACKED_HINTS)
+                if "hint_override" in inspect.signature(mark_unbacked).parameters else ({}, {}))
 
 
 def _aliases(args: tuple, unbacked: bool) -> list:
@@ -282,8 +283,7 @@ def _aliases(args: tuple, unbacked: bool) -> list:
             a = a.detach()
             if unbacked:
                 for dim in range(a.dim()):
-                    hint = {"hint_override": _UNBACKED_HINTS[min(dim, 1)]} if _TAKES_HINTS else {}
-                    mark_unbacked(a, dim, **hint)
+                    mark_unbacked(a, dim, **_HINT_KWARGS[min(dim, 1)])
         out.append(a)
     return out
 
