@@ -10,6 +10,8 @@ from the counter at its start, and the budget is clamped to what the device can 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,7 +163,7 @@ def test_the_plans_peak_is_checked_as_an_offset_and_over_the_budget_lowers_the_h
     monkeypatch.setattr(scheduler, "_plan_bucket", lambda b, profiled=True: planned.append(profiled))
     cuda = _FakeCuda(allocated=100 * MiB, peak=earlier_mib * MiB, reserved=earlier_mib * MiB)
     cuda.install(monkeypatch)
-    scheduler.metering.open_check(bucket, 8)
+    scheduler.metering.open_check(bucket, 8, "whole")
     check = scheduler.metering.check
     cuda.alloc(560 * MiB)  # the plan's microbatch peaks at 660 MiB
     cuda.alloc(-560 * MiB)
@@ -169,5 +171,103 @@ def test_the_plans_peak_is_checked_as_an_offset_and_over_the_budget_lowers_the_h
     assert bucket.checked is plan and scheduler.metering.check is None and cuda.resets() == []
     assert bucket.headroom_cut == cut_mib * MiB
     assert planned == ([False] if cut_mib else [])
-    scheduler.metering.open_check(bucket, 8)  # this plan was checked: not again
+    scheduler.metering.open_check(bucket, 8, "whole")  # this plan was checked: not again
     assert scheduler.metering.check is None
+
+
+def _checked(scheduler, bucket, cuda, peak_mib: int, partial: bool = False) -> None:
+    """One check of ``bucket.plan`` whose microbatch peaks at ``peak_mib`` (a new device peak:
+    an exact window)."""
+    scheduler.metering.open_check(bucket, 8, "whole")
+    check = scheduler.metering.check
+    assert check is not None
+    if partial:
+        scheduler.metering.partial()
+    rise = peak_mib * MiB - cuda.allocated
+    cuda.alloc(rise)
+    cuda.alloc(-rise)
+    scheduler.metering.end_check(check)
+
+
+@pytest.fixture
+def credited(scheduler, monkeypatch):
+    """A bucket under a 600 MiB absolute budget, its plans priced on a GC peak of 350 MiB; the
+    first keeps 200 MiB, every re-plan keeps 200 MiB plus the credit (a new plan each time)."""
+    from ds_hilore.plan.allocate import Plan
+    from ds_hilore.plan.profile import Profiler
+    from ds_hilore.plan.scheduler import Bucket
+
+    scheduler.config = HiLoReConfig(memory_budget_bytes=600 * MiB)
+    bucket = Bucket((2, 8), Profiler((2, 8), 1), budget_bytes=600 * MiB, priced_gc_peak=350 * MiB,
+                    plan=Plan({"u": "H"}, 200 * MiB, 1.0, 0.0, 250 * MiB, 0.0))
+    planned = []
+
+    def plan_again(b, profiled=True):
+        planned.append(b.headroom_credit - b.headroom_cut)
+        b.plan = Plan({"u": "H", f"v{len(planned)}": "H"}, 200 * MiB + b.headroom_credit, 1.0,
+                      0.0, 250 * MiB + planned[-1], 0.0)
+
+    monkeypatch.setattr(scheduler, "_plan_bucket", plan_again)
+    cuda = _FakeCuda(allocated=100 * MiB, peak=100 * MiB, reserved=100 * MiB)
+    cuda.install(monkeypatch)
+    return bucket, planned, cuda
+
+
+def test_a_plan_priced_above_its_peak_raises_the_headroom_at_most_twice(scheduler, credited):
+    bucket, planned, cuda = credited
+    margin = 6 * MiB  # 1 % of the budget
+    _checked(scheduler, bucket, cuda, 400)  # priced at 550: the excess less 2 margins
+    assert bucket.headroom_credit == 150 * MiB - 2 * margin and planned == [138 * MiB]
+    _checked(scheduler, bucket, cuda, 500)  # the new plan, priced at 688: a larger credit
+    assert bucket.headroom_credit == 188 * MiB - 2 * margin and bucket.credits == 2
+    _checked(scheduler, bucket, cuda, 450)  # no third
+    assert bucket.headroom_credit == 176 * MiB and len(planned) == 2
+    assert bucket.fit_actions == bucket.plan.actions  # it fits: not checked again
+
+
+def test_no_credit_after_an_overshoot_nor_for_a_small_excess(scheduler, credited):
+    bucket, planned, cuda = credited
+    _checked(scheduler, bucket, cuda, 540)  # 10 MiB under its price: less than 3 margins
+    assert bucket.headroom_credit == 0 and planned == [] and bucket.checked is bucket.plan
+    bucket.plan = dataclasses.replace(bucket.plan, actions={"w": "H"})  # a plan not checked yet
+    _checked(scheduler, bucket, cuda, 620)  # over: cut by 20 + a margin
+    assert bucket.headroom_cut == 26 * MiB and bucket.overshot and planned == [-26 * MiB]
+    _checked(scheduler, bucket, cuda, 400)  # far under, but the bucket overshot once
+    assert bucket.headroom_credit == 0 and len(planned) == 1
+
+
+def test_no_credit_where_the_check_does_not_bound_the_plan(scheduler, credited):
+    bucket, planned, cuda = credited
+    bucket.byte_scale = {"mlp": 2.0, "attn": 4.0}  # priced for twice the profiled length
+    _checked(scheduler, bucket, cuda, 400)
+    assert bucket.headroom_credit == 0 and planned == [] and bucket.checked is bucket.plan
+    bucket.byte_scale = None
+    bucket.plan = dataclasses.replace(bucket.plan, actions={"w": "H"})
+    cuda.peak = 900 * MiB  # an earlier, higher peak: the window is not exact
+    _checked(scheduler, bucket, cuda, 400)
+    assert bucket.headroom_credit == 0 and planned == [] and bucket.checked is bucket.plan
+    cuda.peak = cuda.allocated
+    bucket.plan = dataclasses.replace(bucket.plan, actions={"x": "H"})
+    _checked(scheduler, bucket, cuda, 340)  # under GC's own profiled peak (350 MiB)
+    assert bucket.headroom_credit == 0 and planned == [] and bucket.checked is bucket.plan
+
+
+def test_a_microbatch_run_all_r_checks_nothing(scheduler, credited):
+    bucket, planned, cuda = credited
+    scheduler.metering.open_check(bucket, 8, "nothing")  # e.g. every sequence predicted zero
+    assert scheduler.metering.check is None and scheduler.metering.awaits_check(bucket)
+
+
+def test_a_partial_check_is_repeated_and_gives_no_credit(scheduler, credited):
+    from ds_hilore.plan.metering import MAX_PARTIAL
+
+    bucket, planned, cuda = credited
+    for k in range(MAX_PARTIAL - 1):  # kept less than its plan: the plan is checked again
+        _checked(scheduler, bucket, cuda, 400, partial=True)
+        assert bucket.checked is None and scheduler.metering.awaits_check(bucket), k
+    _checked(scheduler, bucket, cuda, 400, partial=True)  # the last: taken as fitting
+    assert bucket.checked is bucket.plan and bucket.fit_actions == bucket.plan.actions
+    assert bucket.headroom_credit == 0 and planned == []
+    bucket.plan = dataclasses.replace(bucket.plan, actions={"w": "H"})
+    _checked(scheduler, bucket, cuda, 640, partial=True)  # a partial overshoot still cuts
+    assert bucket.headroom_cut == 46 * MiB and planned == [-46 * MiB]

@@ -177,7 +177,9 @@ def warm(run: Run) -> bool:
     if not METHODS[run.method].policy or runtime is None or runtime.policy is None:
         return True
     policy = runtime.policy
-    planned = bool(policy.buckets) and all(b.plan is not None and b.loo is None
+    # a plan's peak checked too: a check may plan again (NOTE [ Headroom a checked plan left ])
+    planned = bool(policy.buckets) and all(b.plan is not None and b.loo is None and
+                                           not policy.metering.awaits_check(b)
                                            for b in policy.buckets.values())
     # calibration runs only where there is something to pack (a codec, L in the plan); it is
     # over when it reached its count or stopped advancing

@@ -30,7 +30,12 @@ class Bucket:
     loo_utilities: dict[int, float] | None = None  # seconds per layer, measured jointly
     shortest: int | None = None  # positions of the shortest profiled microbatch, over ranks
     byte_scale: dict[str, float] | None = None  # bytes x this per unit kind, for the longest
-    headroom_cut: int = 0  # bytes taken off the headroom (NOTE [ The plan's peak, checked ] in metering.py)
+    # NOTE [ The plan's peak, checked ] and [ Headroom a checked plan left ] in metering.py
+    headroom_cut: int = 0  # bytes taken off the headroom after a plan peaked over the budget
+    headroom_credit: int = 0  # bytes added to it: what a checked plan peaked under its price
+    priced_gc_peak: int | None = None  # GC's peak the plan was priced on (its plan's peak less kept)
+    credits: int = 0  # how many times a credit was given
+    overshot: bool = False  # a plan of this bucket peaked over the budget: no credit from then on
     checked: Plan | None = None  # the last plan whose peak was checked
     fit_actions: dict[str, str] | None = None  # of the last checked plan within the budget
 

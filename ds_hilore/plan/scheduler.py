@@ -104,13 +104,12 @@ class Scheduler:
             self.metering.open_profile()
         elif bucket.loo is not None:  # NOTE [ Leave-one-out ]: the plan, or it minus one layer
             variant = bucket.loo.next_variant()
-            self._apply(bucket, recompute_layer=None if variant == LeaveOneOut.WARM_UP else variant)
+            ran = self._apply(bucket, recompute_layer=None if variant == LeaveOneOut.WARM_UP else variant)
             if variant == LeaveOneOut.WARM_UP:  # the plan itself, and its timing is not used
-                self.metering.open_check(bucket, self.longest)
+                self.metering.open_check(bucket, self.longest, ran)
             self.timing = (bucket.loo, variant, self._now(), self.rows_here * length)
         else:
-            self._apply(bucket)
-            self.metering.open_check(bucket, self.longest)
+            self.metering.open_check(bucket, self.longest, self._apply(bucket))
         if replayable:
             self.passes.begin_forward(args, kwargs, bucket)
         else:
@@ -148,6 +147,8 @@ class Scheduler:
                     if frame is not None and frame.plan.actions[unit.pos] != "R":
                         self.runtime.downgrade(name, "R")
             self.fits += 1
+            if self.last_fit[2]:  # units sent to R keep nothing: the peak is not the plan's
+                self.metering.partial()
             risk, mass = self.last_fit[0], self.last_fit[1]
             self.step_exposure.add(mass, risk)
             self.step_stats["grad_error_est"].append(risk / mass if mass > 0 else 0.0)
@@ -158,6 +159,8 @@ class Scheduler:
             return
         if mb.source is None:  # no coefficients came: nothing proves the planned elisions
             unverified_rows_to_r(self.runtime, mb.live_frames(), lambda frame: set())
+        if any(frame.elided_rows for frame in mb.live_frames()):  # sequences found zero keep nothing
+            self.metering.partial()
         with self.metering.held():  # NOTE [ Tracked on CPU ]: kept for a matched pass only
             self.passes.top_grad(mb, grad)
         if mb.timing is not None:
@@ -303,7 +306,8 @@ class Scheduler:
         relative = bound != "device" and self.config.memory_budget_bytes is None and \
             self.config.memory_fraction is None
         bucket.byte_scale, gc_peak = priced_for_longest(bucket, relative)
-        headroom = bucket.budget_bytes - gc_peak - bucket.headroom_cut
+        bucket.priced_gc_peak = gc_peak
+        headroom = bucket.budget_bytes - gc_peak - bucket.headroom_cut + bucket.headroom_credit
         if headroom < 0 and profiled:  # once per shape; replans reuse the same numbers
             logger.warning("ds_hilore: the memory budget (%s: %.1f MiB per rank) is below what "
                            "gradient checkpointing itself needs on %dx%d (%.1f MiB); running as GC "
@@ -326,12 +330,15 @@ class Scheduler:
             if bucket.profile is not None:
                 self._plan_bucket(bucket, profiled=False)
 
-    def _apply(self, bucket: Bucket, recompute_layer: int | None = None) -> None:
+    def _apply(self, bucket: Bucket, recompute_layer: int | None = None) -> str:
         """The bucket's plan for this microbatch: splits by predicted exposure (the most exposed
         sequences H, the least exposed L), sequences predicted 0 elided (E) and the memory they
         leave spent (``_plan_for_rows``; all R when every one is: NOTE [ A microbatch predicted
         zero ]); ``recompute_layer``: that layer R instead (a leave-one-out variant, timed on
-        the bucket's own plan)."""
+        the bucket's own plan). Returns what the microbatch runs, for the plan's check (NOTE
+        [ The plan's peak, checked ] in metering.py): ``"whole"`` the bucket's plan itself,
+        every sequence kept; ``"nothing"`` all R; ``"part"`` a plan re-solved for the sequences
+        it keeps. The same on every rank but for the sequences kept."""
         plan, batch = bucket.plan, min(self.rows_here, bucket.key[0])  # NOTE [ Uneven batches ]
         if recompute_layer is not None:
             layer_of = {c.name: c.layer for c in bucket.profile.units}
@@ -359,6 +366,9 @@ class Scheduler:
             stats = self.step_stats
             stats["predicted_microbatches"] = stats.get("predicted_microbatches", 0) + 1
         self.runtime.apply_plan(actions, rows)
+        if all(a == "R" for a in plan.actions.values()):
+            return "nothing"
+        return "whole" if plan is bucket.plan and len(kept) == batch else "part"
 
     def _plan_for_rows(self, bucket: Bucket, expected: list[float] | None) -> Plan:
         """NOTE [ Freed memory is spent ]
@@ -415,10 +425,16 @@ class Scheduler:
             if len(self.row_plans) > 64:
                 self.row_plans.clear()
             profile = kept_rows(bucket.profile, int(kept), batch)
-            self.row_plans[key] = (bucket.plan, allocate(
-                profile, self.risk.scaled(rho), bucket.plan.headroom_bytes, self._risk_budget(),
-                self.runtime._codec is not None, excluded=frozenset(bucket.excluded),
-                byte_scale=bucket.byte_scale))  # NOTE [ Priced for the bucket's longest ] in buckets.py
+            # unchecked: within the headroom less any credit (NOTE [ Headroom a checked plan
+            # left ] in metering.py); the bucket's own plan, checked, where it fits and is better
+            plan = allocate(profile, self.risk.scaled(rho),
+                            bucket.plan.headroom_bytes - bucket.headroom_credit, self._risk_budget(),
+                            self.runtime._codec is not None, excluded=frozenset(bucket.excluded),
+                            byte_scale=bucket.byte_scale)  # NOTE [ Priced for the bucket's longest ]
+            if kept >= batch and bucket.plan.risk * rho <= self._risk_budget() and \
+                    bucket.plan.utility_s > plan.utility_s:
+                plan = bucket.plan
+            self.row_plans[key] = (bucket.plan, plan)
         return self.row_plans[key][1]
 
     def _start_loo(self, bucket: Bucket) -> None:

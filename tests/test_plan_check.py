@@ -1,0 +1,140 @@
+"""The check of a plan's peak (NOTE [ The plan's peak, checked ] and NOTE [ Headroom a checked
+plan left ] in plan/metering.py), on CPU with real models and op-level windows: a microbatch
+run in part checks a plan without passing it, one that runs it whole passes it; a plan whose price (GC's peak plus what it keeps) exceeds its peak well
+gives its bucket the excess (less two margins) as headroom; plans re-solved per microbatch
+stay within the headroom without it.
+
+No timing enters an assertion: the profile's times are fixed (``equal_utilities``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+import ds_hilore
+from ds_hilore.config import HiLoReConfig
+from models import VOCAB, equal_utilities, one_torch_thread, tiny_model
+
+MiB = 2**20
+B, T = 8, 128
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
+
+CONFIG = {"low_precision": "none", "profile_microbatches": 2, "calibration_microbatches": 0,
+          "plan_validation_microbatches": 0}
+
+
+def _model():
+    model = tiny_model("qwen2", layers=4, hidden=128, heads=4, intermediate=512, dropout=False,
+                       vocab_size=VOCAB)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def _microbatch(model, runtime, seed: int) -> None:
+    ids = torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    model.zero_grad(set_to_none=True)
+    runtime.end_step()
+
+
+class _Recording:
+    """One rank's collective that records what each plan's check reduces: (over the budget,
+    partial, under the GC peak it was priced on, its peak less its price), in bytes."""
+
+    def __init__(self):
+        self.checks: list[list[float]] = []
+
+    def all_reduce_max(self, values):
+        return list(values)
+
+    def all_reduce_max_float(self, values):
+        if sys._getframe(1).f_code.co_name == "end_check":
+            self.checks.append(list(values))
+        return list(values)
+
+    def all_reduce_sum(self, values):
+        return list(values)
+
+    def broadcast_object(self, obj):
+        return obj
+
+
+def test_a_plan_priced_well_above_its_peak_gives_the_excess_as_headroom(monkeypatch, caplog):
+    """A profile whose units are priced at 4x the bytes they keep (as a price can be where the
+    kept units replace GC's recompute of the last layers): the plan's check finds the price
+    above the peak, and the headroom grows by that excess less two margins."""
+    equal_utilities(monkeypatch)
+    model = _model()
+    runtime = ds_hilore.attach(model, dict(CONFIG, memory_budget=2.0))
+    try:
+        for seed in range(2):  # profiled
+            _microbatch(model, runtime, seed)
+        runtime.expect([0.0] * B)  # planned, run all R: nothing checked
+        _microbatch(model, runtime, 2)
+        state = runtime.state_dict()
+    finally:
+        runtime.detach()
+    for unit in state["policy"]["profiles"][0]["units"]:
+        unit["h_bytes"] *= 4
+    runtime = ds_hilore.attach(model, dict(CONFIG, memory_budget=2.0))
+    collective = runtime.collective = _Recording()
+    try:
+        runtime.load_state_dict(state)  # planned at once, from the inflated profile
+        bucket = runtime.policy.buckets[(B, T)]
+        priced = bucket.plan
+        with caplog.at_level(logging.INFO, logger="ds_hilore"):
+            _microbatch(model, runtime, 3)  # the plan's first microbatch: checked
+        assert len(collective.checks) == 1
+        over, partial, under_gc, short = collective.checks[0]
+        margin = max(MiB, bucket.budget_bytes // 100)
+        excess = -short
+        assert over < 0 and partial == 0 and under_gc <= 0 and excess >= 3 * margin, \
+            collective.checks
+        assert bucket.checked is priced and bucket.credits == 1
+        assert bucket.headroom_credit == int(excess) - 2 * margin
+        assert "under its price" in caplog.text
+        # planned again with it: the headroom grew by the credit
+        assert bucket.plan.headroom_bytes == priced.headroom_bytes + bucket.headroom_credit
+        # a plan re-solved for the sequences a microbatch keeps is not checked on its own:
+        # solved within the headroom without the credit
+        rows = runtime.policy._plan_for_rows(bucket, [1.0] * (B // 2) + [0.0] * (B // 2))
+        assert rows is not bucket.plan
+        assert rows.headroom_bytes == bucket.plan.headroom_bytes - bucket.headroom_credit
+    finally:
+        runtime.detach()
+
+
+def test_a_microbatch_run_in_part_does_not_pass_the_plan(monkeypatch):
+    equal_utilities(monkeypatch)
+    model = _model()
+    runtime = ds_hilore.attach(model, CONFIG)
+    collective = runtime.collective = _Recording()
+    policy = runtime.policy
+    try:
+        for seed in range(2):  # profiled
+            _microbatch(model, runtime, seed)
+        runtime.expect([1.0] * B)  # planned; every sequence kept: the plan itself
+        _microbatch(model, runtime, 2)
+        bucket = policy.buckets[(B, T)]
+        # an absolute budget with room for one unit of the eight (an all-H plan stores every
+        # sequence whatever the prediction), planned again from the same profile
+        policy.config = HiLoReConfig(**dict(CONFIG, memory_budget_bytes=bucket.profile.gc_peak_bytes
+                                            + 6 * MiB))
+        policy._plan_bucket(bucket, profiled=False)
+        assert sorted(bucket.plan.actions.values()).count("H") == 1, bucket.plan
+        checks = len(collective.checks)
+        runtime.expect([1.0] * (B // 2) + [0.0] * (B // 2))  # half kept: a plan re-solved,
+        _microbatch(model, runtime, 3)  # measured (an overshoot would count), partial
+        assert len(collective.checks) == checks + 1 and collective.checks[-1][1] == 1
+        assert bucket.checked is not bucket.plan and policy.metering.awaits_check(bucket)
+        plan = bucket.plan
+        _microbatch(model, runtime, 4)  # no prediction: the plan itself, every sequence
+        assert len(collective.checks) == checks + 2 and collective.checks[-1][1] == 0
+        assert bucket.checked is plan  # (and planned again if it left room: a credit)
+    finally:
+        runtime.detach()
