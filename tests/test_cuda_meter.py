@@ -175,10 +175,10 @@ def test_the_plans_peak_is_checked_as_an_offset_and_over_the_budget_lowers_the_h
     assert scheduler.metering.check is None
 
 
-def _checked(scheduler, bucket, cuda, peak_mib: int, partial: bool = False) -> None:
-    """One check of ``bucket.plan`` whose microbatch peaks at ``peak_mib`` (a new device peak:
-    an exact window)."""
-    scheduler.metering.open_check(bucket, 8, "whole")
+def _checked(scheduler, bucket, cuda, peak_mib: int, partial: bool = False, length: int = 8) -> None:
+    """One check of ``bucket.plan`` whose microbatch (``length`` positions) peaks at
+    ``peak_mib`` (a new device peak: an exact window)."""
+    scheduler.metering.open_check(bucket, length, "whole")
     check = scheduler.metering.check
     assert check is not None
     if partial:
@@ -250,6 +250,21 @@ def test_no_credit_where_the_check_does_not_bound_the_plan(scheduler, credited):
     bucket.plan = dataclasses.replace(bucket.plan, actions={"x": "H"})
     _checked(scheduler, bucket, cuda, 340)  # under GC's own profiled peak (350 MiB)
     assert bucket.headroom_credit == 0 and planned == [] and bucket.checked is bucket.plan
+    bucket.plan = dataclasses.replace(bucket.plan, actions={"y": "H"})
+    _checked(scheduler, bucket, cuda, 400, length=6)  # shorter than the bucket's 8: peaks lower
+    assert bucket.headroom_credit == 0 and planned == [] and bucket.checked is bucket.plan
+
+
+def test_a_credited_plan_that_never_runs_whole_loses_the_credit(scheduler, credited):
+    from ds_hilore.plan.metering import MAX_PARTIAL
+
+    bucket, planned, cuda = credited
+    _checked(scheduler, bucket, cuda, 400)  # a credit of 138 MiB: the new plan keeps 338 MiB
+    assert bucket.headroom_credit == 138 * MiB and planned == [138 * MiB]
+    for _ in range(MAX_PARTIAL):  # it keeps more than the 250 MiB without the credit
+        _checked(scheduler, bucket, cuda, 500, partial=True)
+    assert bucket.headroom_credit == 0 and planned == [138 * MiB, 0]  # planned again without it
+    assert bucket.credits == 2 and bucket.checked is not bucket.plan  # no credit again
 
 
 def test_a_microbatch_run_all_r_checks_nothing(scheduler, credited):

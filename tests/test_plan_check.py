@@ -118,9 +118,10 @@ def test_a_microbatch_run_in_part_does_not_pass_the_plan(monkeypatch):
     try:
         for seed in range(2):  # profiled
             _microbatch(model, runtime, seed)
-        runtime.expect([1.0] * B)  # planned; every sequence kept: the plan itself
+        runtime.expect([1.0] * (B // 2) + [0.0] * (B // 2))  # planned, run in part: no credit
         _microbatch(model, runtime, 2)
         bucket = policy.buckets[(B, T)]
+        assert bucket.headroom_credit == 0
         # an absolute budget with room for one unit of the eight (an all-H plan stores every
         # sequence whatever the prediction), planned again from the same profile
         policy.config = HiLoReConfig(**dict(CONFIG, memory_budget_bytes=bucket.profile.gc_peak_bytes

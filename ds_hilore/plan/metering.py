@@ -71,7 +71,8 @@ class Metering:
         self.tracker: PeakTracker | None = None  # CPU: the op-level window open now, if any
         self.check = None  # (bucket, plan, meter) of the microbatch whose plan's peak is checked
         self.check_partial = False  # that microbatch kept less than its plan (units sent to R, ...)
-        self.partial_checks: dict[tuple, tuple] = {}  # bucket key -> (plan, its partial checks)
+        self.check_length = 0  # that microbatch's length, the max over ranks
+        self.partial_checks: dict[tuple, tuple] = {}  # bucket key -> (actions, partial checks)
         self.step_meter: tuple[int, DevicePeak] | None = None  # CUDA: (step, the step's window)
         # NOTE [ Memory that appears after profiling ]: in use at a step's first forward, by
         # step; buckets planned in a step, charged at the next one's start
@@ -189,20 +190,21 @@ class Metering:
     # measured as the profile's GC peak was, from its forward to the end of its backward: a
     # ``DevicePeak`` window on CUDA (its lower bound when not exact: a check must not re-plan
     # for another reader's peak), an op-level ``PeakTracker`` window on CPU (NOTE [ Tracked on
-    # CPU ]). If it exceeds the bucket's budget, the bucket's headroom is lowered by the
-    # overshoot plus a margin (1% of the budget, at least 1 MiB) and the bucket is planned
-    # again; the overshoot is the max over ranks, so every rank re-plans the same. Each plan of
-    # a bucket is checked once, and a plan that only repeats the actions of one checked within
-    # the budget (a replan after calibration changed the risks, not the choice) is not checked
-    # again; the plans re-solved per microbatch (``_plan_for_rows``) live within the same,
-    # corrected headroom and are not checked on their own. A checked microbatch that kept less
-    # than its plan -- a plan re-solved for the sequences it keeps (those predicted zero
-    # elided), units sent to R by the risk fit after its forward, sequences whose coefficients
-    # came out zero (``partial``, any rank) -- can show an overshoot, not that the plan fits:
-    # the plan is checked again at a later microbatch, and taken as fitting after MAX_PARTIAL
-    # such checks (an op-level window costs a dispatch per op; where microbatches keep less
-    # than their plan, what such a check measured is what runs), without a credit (NOTE
-    # [ Headroom a checked plan left ]).
+    # CPU ]; one that cannot open on a rank, e.g. inside a compiled call, opens on none: the
+    # check ends in a collective). If it exceeds the bucket's budget, the bucket's headroom is
+    # lowered by the overshoot plus a margin (1% of the budget, at least 1 MiB) and the bucket
+    # is planned again; the overshoot is the max over ranks, so every rank re-plans the same.
+    # Each plan of a bucket is checked once, and a plan that only repeats the actions of one
+    # checked within the budget (a replan after calibration changed the risks, not the choice)
+    # is not checked again; the plans re-solved per microbatch (``_plan_for_rows``) live within
+    # the same, corrected headroom and are not checked on their own. A checked microbatch that
+    # kept less than its plan -- a plan re-solved for the sequences it keeps (those predicted
+    # zero elided), units sent to R by the risk fit after its forward, sequences whose
+    # coefficients came out zero (``partial``, any rank) -- can show an overshoot, not that the
+    # plan fits: the plan is checked again at a later microbatch, and taken as fitting after
+    # MAX_PARTIAL such checks (an op-level window costs a dispatch per op; where microbatches
+    # keep less than their plan, what such a check measured is what runs), without a credit
+    # (NOTE [ Headroom a checked plan left ]).
     # A relative budget (m x GC's peak at the profiled length T0) allows m x GC(T) at length
     # T (NOTE [ Priced for the bucket's longest ]): above T0 the budget's bytes do not bound the
     # peak, so a check waits for a microbatch no longer than T0; an absolute one holds at any T.
@@ -216,11 +218,16 @@ class Metering:
                 (relative and length > (bucket.shortest or bucket.key[1])):
             return
         device = self.s._device()
-        self.check_partial = ran != "whole"
-        if device.type == "cuda":
-            self.check = (bucket, bucket.plan, DevicePeak(device))
-        elif self._track():
-            self.check = (bucket, bucket.plan, self.tracker)
+        opened = device.type == "cuda" or self._track()
+        collective = self.s.runtime.collective
+        if collective is not None:  # a window that cannot open on one rank opens on none
+            opened = not collective.all_reduce_max_float([0.0 if opened else 1.0])[0]
+        if not opened:
+            self.close_tracker()
+            return
+        self.check_partial, self.check_length = ran != "whole", length
+        self.check = (bucket, bucket.plan,
+                      DevicePeak(device) if device.type == "cuda" else self.tracker)
 
     def partial(self) -> None:
         """The microbatch being checked keeps less than its plan: units sent to R after its
@@ -264,9 +271,11 @@ class Metering:
                 [over, partial, under_gc, short])
         if over <= 0 and partial:  # checked again at a whole one, up to MAX_PARTIAL times
             seen, count = self.partial_checks.get(bucket.key, (None, 0))
-            count = count + 1 if seen is plan else 1
-            self.partial_checks[bucket.key] = (plan, count)
+            count = count + 1 if seen == plan.actions else 1
+            self.partial_checks[bucket.key] = (dict(plan.actions), count)
             if count < MAX_PARTIAL:
+                return
+            if plan is bucket.plan and self._revoke(bucket):
                 return
         bucket.checked = plan
         if over <= 0:
@@ -275,7 +284,8 @@ class Metering:
             return
         margin = max(2**20, bucket.budget_bytes // 100)
         if over <= 0:
-            if not partial and under_gc <= 0:
+            if not partial and under_gc <= 0 and self.check_length == bucket.key[1] and \
+                    bucket.loo is None:
                 self._credit(bucket, -short, margin)
             return
         cut = int(over) + margin
@@ -306,9 +316,26 @@ class Metering:
     # resumed from another process, memory released since), the bucket's bytes priced at the
     # profiled length (NOTE [ Priced for the bucket's longest ] in buckets.py: at a longer one
     # the excess at the profiled length says nothing) and, on CUDA, the window's upper bound
-    # (``upper``: exact, or the earlier peak). Plans re-solved per microbatch
-    # (``_plan_for_rows`` in scheduler.py) are not checked on their own, so they are solved
-    # within the headroom without the credit.
+    # (``upper``: exact, or the earlier peak), from a microbatch of the bucket's full length (a
+    # shorter one peaks lower), not while leave-one-out times the plan. A credited plan that
+    # keeps more than the headroom without the credit passes only a whole check: after
+    # MAX_PARTIAL partial ones, the credit is taken back for good and the bucket planned again
+    # (``_revoke``). Plans re-solved per microbatch (``_plan_for_rows`` in scheduler.py) are not
+    # checked on their own, so they are solved within the headroom without the credit.
+    def _revoke(self, bucket) -> bool:
+        """A plan that keeps more than the headroom without the credit passes only a whole
+        check: after MAX_PARTIAL partial ones the credit is taken back, for good, and the bucket
+        planned again (NOTE [ Headroom a checked plan left ]). Whether it was."""
+        plan = bucket.plan
+        if bucket.headroom_credit <= 0 or plan.memory_bytes <= plan.headroom_bytes - bucket.headroom_credit:
+            return False
+        logger.info("ds_hilore: the plan for %dx%d, made with %.1f MiB of headroom a check "
+                    "found, never ran whole to be checked; planned again without it",
+                    *bucket.key, bucket.headroom_credit / 2**20)
+        bucket.headroom_credit, bucket.credits = 0, MAX_CREDITS
+        self.s._plan_bucket(bucket, profiled=False)
+        return True
+
     def _credit(self, bucket, excess: float, margin: int) -> None:
         """``excess``: the checked plan's price (GC's peak plus what it keeps) above its peak."""
         scaled = any(v != 1.0 for v in (bucket.byte_scale or {}).values())

@@ -60,6 +60,7 @@ class Scheduler:
         self.applied = None  # (prediction, step prediction, exposed count) the plan used
         self.step_exposure = StepExposure()  # NOTE [ Risk in step units ] in risk.py
         self.row_plans: dict = {}  # plans re-solved for the rows a prediction keeps
+        self.predicted_zero = False  # the microbatch in progress runs all R, every rank's predicted 0
         self.bucket: Bucket | None = None  # of the forward in progress
         self.rows_here = 1  # sequences of the forward in progress on this rank (Uneven batches)
         self.longest = 0  # the forward in progress's length, the max over ranks
@@ -347,6 +348,7 @@ class Scheduler:
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         elide = bool(expected) and not stores_all(bucket) and \
             self.runtime.config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
+        self.predicted_zero = False  # set by _plan_for_rows: from all-reduced values only
         if bucket.loo is None:
             plan = self._plan_for_rows(bucket, expected if elide else None)
         kept = [i for i in range(batch) if not (elide and expected[i] == 0)]
@@ -366,8 +368,8 @@ class Scheduler:
             stats = self.step_stats
             stats["predicted_microbatches"] = stats.get("predicted_microbatches", 0) + 1
         self.runtime.apply_plan(actions, rows)
-        if all(a == "R" for a in plan.actions.values()):
-            return "nothing"
+        if self.predicted_zero or all(a == "R" for a in bucket.plan.actions.values()):
+            return "nothing"  # the same on every rank (a re-solved plan all R may not be)
         return "whole" if plan is bucket.plan and len(kept) == batch else "part"
 
     def _plan_for_rows(self, bucket: Bucket, expected: list[float] | None) -> Plan:
@@ -416,6 +418,7 @@ class Scheduler:
             missing, kept, rho, unskipped = collective.all_reduce_max_float(
                 [missing, kept, rho, unskipped])
         if not missing and kept == 0 and not unskipped:  # NOTE [ A microbatch predicted zero ]
+            self.predicted_zero = True
             return Plan.all_r(bucket.plan.actions, bucket.plan.headroom_bytes)
         if missing or bucket.plan.headroom_bytes <= 0 or (
                 kept >= batch and rho >= 1.0 and bucket.plan.risk * rho <= self._risk_budget()):
