@@ -520,6 +520,36 @@ def test_units_sent_to_recompute_after_the_forward_are_one_decision_for_all_rank
     assert recomputed[1] == recomputed[0]  # reused between refreshes
 
 
+def _calibrating_rank(advantages, collective, model) -> tuple[dict, int]:
+    """Three steps of one microbatch on one "rank", the first two calibrating (matched passes):
+    its risk model afterwards and how many samples it took."""
+    runtime = ds_hilore.attach(model, dict(BASE, memory_budget_bytes=(1 << 30) + int(1.9e6),
+                                           calibration_microbatches=2))
+    _resume(runtime, _fixed_profile(runtime))
+    runtime.collective = collective
+    try:
+        for j in range(3):
+            _microbatch(model, j, advantages)
+            runtime.end_step()
+        return runtime.policy.risk.to_dict(), runtime.policy.calibrated
+    finally:
+        runtime.detach()
+
+
+def test_calibration_leaves_every_rank_the_same_risk_model():
+    """A calibration sample divides the agreed error by the exposure of the units packed; with
+    each rank's own exposure the ranks' risk models drift apart (and with them the plans each
+    re-solves for its microbatch's rows); agreed, every rank holds the same model."""
+    base = _model()
+    alone = [_calibrating_rank(a, None, copy.deepcopy(base)) for a in (HIGH_01, HIGH_23)]
+    assert alone[0][1] > 0 and alone[0][0] != alone[1][0], alone  # would drift apart
+    first_a, first_b = _recorded_pair(lambda c: _calibrating_rank(HIGH_01, c, copy.deepcopy(base)),
+                                      lambda c: _calibrating_rank(HIGH_23, c, copy.deepcopy(base)))
+    ran_a = _calibrating_rank(HIGH_01, _PairedCollective(first_b), copy.deepcopy(base))
+    ran_b = _calibrating_rank(HIGH_23, _PairedCollective(first_a), copy.deepcopy(base))
+    assert ran_a[1] > 0 and ran_a == ran_b, (ran_a, ran_b)
+
+
 def _predicting_rank(advantages, collective, model) -> dict:
     """One step on one "rank": a microbatch whose ω comes from the loss, then one predicted
     from ``advantages``; the actions the second was captured with."""

@@ -195,7 +195,7 @@ class MatchedPasses:
             if not self._exposed_anywhere(job):  # NOTE [ A calibration with nothing exposed ]
                 return
             group, names, _ = self._calibration_subset(job.bucket)
-            eps = _exposed_eps(job, names)
+            eps = self._least(_exposed_eps(job, names))  # the same risk model on every rank
             actions = {n: ("L" if n in names else "R") for n in job.executed}
             error = self._agree(self._errors(job, [(actions, {})])[0])
             if not self._measured(error, "calibration", finite=True):  # the next one again
@@ -463,6 +463,17 @@ class MatchedPasses:
         value, nan, inf = collective.all_reduce_max_float(
             [finite, float(math.isnan(error)), float(error == math.inf)])
         return math.nan if nan else math.inf if inf else value
+
+    def _least(self, value: float) -> float:
+        """The min over ranks of a finite value. A calibration sample's exposure term is this
+        rank's (its microbatch's exposure); with the error agreed (``_agree``) but not it, each
+        rank's risk model drifted from the others', and the plans each rank re-solves from its
+        own model (``_plan_for_rows``) could differ -- a rank-local R that hangs ZeRO-3. The
+        least exposure makes the larger, more cautious susceptibility, the same everywhere."""
+        collective = self.scheduler.runtime.collective
+        if collective is None:
+            return value
+        return -collective.all_reduce_max_float([-value])[0]
 
     def _exposed_anywhere(self, job: _Job) -> bool:
         """Whether ``job``'s microbatch had loss mass on some rank (the same answer on every
