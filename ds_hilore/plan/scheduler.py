@@ -368,8 +368,8 @@ class Scheduler:
             stats = self.step_stats
             stats["predicted_microbatches"] = stats.get("predicted_microbatches", 0) + 1
         self.runtime.apply_plan(actions, rows)
-        if self.predicted_zero or all(a == "R" for a in bucket.plan.actions.values()):
-            return "nothing"  # the same on every rank (a re-solved plan all R may not be)
+        if self.predicted_zero:  # the same on every rank (a re-solved plan all R may not be;
+            return "nothing"  # a bucket's plan all R is never checked: awaits_check)
         return "whole" if plan is bucket.plan and len(kept) == batch else "part"
 
     def _plan_for_rows(self, bucket: Bucket, expected: list[float] | None) -> Plan:
