@@ -102,6 +102,11 @@ class HiLoReConfig(_ConfigModel):
                                 description="Elements per scale when fp8_scaling is block.")
     min_pack_numel: _Int = Field(4096, strict=True, ge=0, description=(
         "Saved tensors with fewer elements per sequence slice are never packed (kept H)."))
+    codec_error_interval: _Int = Field(16, strict=True, ge=1, description=(
+        "One training microbatch in this many measures the codec's error on what it packs "
+        "(stats' packed_rel_error_max); the others pack without measuring it, about twice as "
+        "fast. The planner's errors come from profiling, which always measures. 1: every "
+        "microbatch."))
     derive_pointwise: bool = Field(True, strict=True, description=(
         "Where memory is short, H and L units keep the inputs of a saved activation / product "
         "(a gated MLP's silu(g) and silu(g) * u) and re-derive it at first read instead of "

@@ -367,9 +367,9 @@ class SlowCodec:
     def __init__(self, inner, delay: float = 0.04):
         self.inner, self.delay = inner, delay
 
-    def pack_async(self, x):
+    def pack_async(self, x, measure=True):
         time.sleep(self.delay)
-        return self.inner.pack_async(x)
+        return self.inner.pack_async(x, measure)
 
     def unpack(self, packed, out=None):
         return self.inner.unpack(packed, out=out)
@@ -386,8 +386,8 @@ class LossyCodec:
         self.inner, self.rel = inner, rel
         self.generator = torch.Generator().manual_seed(0)  # training's RNG stays untouched
 
-    def pack_async(self, x):
-        packed = self.inner.pack_async(x)
+    def pack_async(self, x, measure=True):
+        packed = self.inner.pack_async(x)  # always measured: its stats hold ||x||^2
         norm2 = packed.stats[1]
         return dataclasses.replace(packed, stats=torch.stack([norm2 * self.rel ** 2, norm2]))
 

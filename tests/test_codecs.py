@@ -55,7 +55,8 @@ needs_compile = pytest.mark.skipif(COMPILE_UNAVAILABLE is not None,
 
 def registry_kernels():
     return [k for spec in CODECS.values()
-            for k in (spec.encode, spec.decode, spec.encode_ragged, spec.decode_ragged) if k]
+            for k in (spec.encode, spec.decode, spec.encode_ragged, spec.decode_ragged,
+                      spec.encode_fast) if k]
 
 
 @pytest.fixture(autouse=True)
@@ -205,14 +206,19 @@ def test_compiled_and_eager_agree_bitwise(name, options, label, dtype):
     assert pc.rel_error == pytest.approx(pe.rel_error, rel=1e-6)
     assert torch.equal(eager.unpack(pe), compiled.unpack(pc))
     assert torch.equal(eager.unpack(pc), compiled.unpack(pe))  # packed data is portable
+    fe, fc = eager.pack(x, measure=False), compiled.pack(x, measure=False)  # int8: no error sums
+    assert torch.equal(fe.payload.view(torch.uint8), pc.payload.view(torch.uint8))
+    assert torch.equal(fc.payload.view(torch.uint8), pc.payload.view(torch.uint8))
+    assert torch.equal(fe.scales, pc.scales) and torch.equal(fc.scales, pc.scales)
 
 
 @needs_compile
 def test_compiled_kernels_do_not_recompile_for_new_shapes():
     codecs_ = [get_codec(n, "compile", **o) for n, o, _ in VARIANTS]
     for c in codecs_:  # first shapes: compile (or find) the graphs
-        c.unpack(c.pack(gaussian(16, 384)))  # fp8-block: (16*3, 128) rows
-        c.unpack(c.pack(gaussian(16, 200)))  # fp8-block: ragged kernels
+        for measure in (True, False):  # int8: the encoder without the error too
+            c.unpack(c.pack(gaussian(16, 384), measure))  # fp8-block: (16*3, 128) rows
+            c.unpack(c.pack(gaussian(16, 200), measure))  # fp8-block: ragged kernels
     before = compiled_graph_counts()
     assert all(v >= 1 for v in before.values()), before
     # new N and G; G > 4096 and N == G, which inductor / duck sizing would otherwise guard
@@ -224,12 +230,15 @@ def test_compiled_kernels_do_not_recompile_for_new_shapes():
             x = gaussian(*shape)
             eager = get_codec(c.name, **c.options)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                assert torch.equal(c.unpack(c.pack(x)), eager.unpack(eager.pack(x)))
+                for measure in (True, False):
+                    assert torch.equal(c.unpack(c.pack(x, measure)),
+                                       eager.unpack(eager.pack(x, measure)))
     assert compiled_graph_counts() == before
 
 
 @needs_compile
-@pytest.mark.parametrize("encode", [codecs._int8_encode, codecs._fp8_encode], ids=["int8", "fp8"])
+@pytest.mark.parametrize("encode", [codecs._int8_encode, codecs._int8_encode_fast, codecs._fp8_encode],
+                         ids=["int8", "int8-fast", "fp8"])
 def test_compiled_encoder_reads_x_in_one_loop_over_rows(encode):
     """NOTE [ Size hints of unbacked sizes ]: a row's amax, error and norm sums and payload are
     computed in one parallel loop over rows (without the hints: four or five loops, each a pass
@@ -291,17 +300,43 @@ def test_under_a_dispatch_mode_compiled_codec_runs_chunked_eager_with_small_peak
 
 @pytest.mark.parametrize("name, options, label", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_input_is_refused(backend, name, options, label, bad):
+@pytest.mark.parametrize("measure", [True, False], ids=["measured", "unmeasured"])
+def test_non_finite_input_is_refused(backend, name, options, label, bad, measure):
     codec = get_codec(name, backend, **options)
     x = gaussian(600, 1000)  # several eager chunks
     for where in [(0, 0), (599, 999), (300, 517)]:
         y = x.clone()
         y[where] = bad
         if name == "int8" and bad == float("-inf"):  # NOTE [ -inf in int8 ]: carried exactly
-            assert codec.pack(y) is not None, where
+            assert codec.pack(y, measure) is not None, where
         else:
-            assert codec.pack(y) is None, where
-    assert codec.pack(x) is not None
+            assert codec.pack(y, measure) is None, where
+    assert codec.pack(x, measure) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_without_the_error_packs_the_same_payload_and_says_it_did_not_measure(backend, dtype):
+    """NOTE [ Measured or not ]: the fast encoder's payload and scales are the measured one's,
+    bitwise -- -inf, all-zero, subnormal (scale 1 or subnormal) and huge rows included -- and its
+    pack reports no error (None), never 0; fp8 has no such encoder and always measures."""
+    codec = get_codec("int8", backend)
+    x = gaussian(700, 1000, dtype, seed=5) * 3  # several eager chunks
+    x[0, :10] = float("-inf")
+    x[1] = float("-inf")
+    x[2] = 0
+    x[3] *= 1e-40  # subnormal row (fp32): amax / 127 underflows to subnormal or 0
+    x[4] = -x[3].abs()  # its most negative value rounds past -127 on a subnormal scale
+    x[5, 7] = -1e-41
+    x[6] *= 1e30 if dtype != torch.float16 else 1
+    measured, fast = codec.pack(x), codec.pack(x, measure=False)
+    assert measured.measured and not fast.measured
+    assert torch.equal(measured.payload, fast.payload) and torch.equal(measured.scales, fast.scales)
+    assert fast.nbytes == measured.nbytes and torch.equal(codec.unpack(fast), codec.unpack(measured))
+    assert fast.rel_error is None and 0 < measured.rel_error < 0.01
+    assert codecs.relative_errors([measured.stats, fast.stats]) == [measured.rel_error, None]
+    assert torch.equal(fast.payload, get_codec("int8", "eager").pack(x, measure=False).payload)
+    fp8 = get_codec("fp8_e4m3", backend).pack(gaussian(8, 256), measure=False)
+    assert fp8.measured and fp8.rel_error > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

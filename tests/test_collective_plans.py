@@ -83,6 +83,7 @@ def test_a_smaller_last_microbatch_runs_the_split_plan_on_its_own_rows(batch):
     model = tiny_model("qwen2", layers=2, hidden=64, intermediate=128, dropout=False)
     ref = tiny_model("qwen2", layers=2, hidden=64, intermediate=128, dropout=False)
     runtime = ds_hilore.attach(model, {"codec_backend": "eager", "min_pack_numel": 1024,
+                                       "codec_error_interval": 1,  # stats: the codec's error
                                        "profile_microbatches": 2, "calibration_microbatches": 0,
                                        "plan_validation_microbatches": 0, "memory_budget": 4.0,
                                        "grad_error_tolerance": 0.9})

@@ -139,8 +139,8 @@ def test_a_non_finite_packed_run_sends_its_unit_to_recompute(monkeypatch):
     pack_async = runtime._codec.pack_async
     calls = []
 
-    def first_run_non_finite(x):
-        packed = pack_async(x)
+    def first_run_non_finite(x, measure=True):
+        packed = pack_async(x, measure)
         calls.append(1)
         if len(calls) == 1:  # report the first run as non-finite; its payload is then unused
             packed.stats[1] = float("inf")
@@ -183,3 +183,33 @@ def test_eliding_rows_of_a_packed_run_frees_their_bytes():
     after = stored.view((x.size(), x.stride(), x.storage_offset()))
     assert torch.equal(after[[0, 2, 3]], before[[0, 2, 3]])  # rows copied, not re-coded
     assert torch.equal(after[1], torch.ones(8, 64))
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_microbatches_that_do_not_measure_the_codec_error_pack_the_same_payload(backend):
+    """NOTE [ Measured or not ] in codecs.py: with codec_error_interval 3, microbatches 0 and 3
+    measure the codec's error and the others pack without it; the gradients of every step are
+    bitwise those of a run that measures every microbatch, and a step that measured nothing
+    reports no error (None) instead of a made-up 0."""
+    from ds_hilore.runtime.codecs import compile_unavailable
+
+    if backend == "compile" and compile_unavailable("cpu") is not None:
+        pytest.skip(f"codec_backend 'compile' unavailable: {compile_unavailable('cpu')}")
+    inputs = batch(seq=64)
+    runs = {}
+    for interval in (1, 3):
+        model = _model()
+        runtime = ds_hilore.attach(model, _config(backend=backend, force_plan="L",
+                                                  codec_error_interval=interval))
+        steps = []
+        for _ in range(4):
+            _, grads = loss_and_grads(model, inputs)
+            runtime.end_step()
+            steps.append((grads, runtime.stats["packed_rel_error_max"], runtime.stats["actions"]))
+        runs[interval] = steps
+        runtime.detach()
+    for k, ((every, e1, a1), (some, e3, a3)) in enumerate(zip(runs[1], runs[3], strict=True)):
+        assert a1 == a3 and a1["L"] == 4, k
+        assert all(torch.equal(every[n], some[n]) for n in every), k
+        assert 0 < e1 < PACKED_ERROR_BOUND["int8"]
+        assert e3 == (e1 if k % 3 == 0 else None), k

@@ -10,6 +10,7 @@ Example::
     packed = codec.pack(x)             # None if x holds NaN/inf: keep x in H
     y = codec.unpack(packed)           # same shape and dtype as x
     packed.rel_error, packed.nbytes    # ||x - y|| / ||x||, payload + scale bytes
+    codec.pack_async(x, measure=False) # same payload, no error measured (NOTE [ Measured or not ])
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127.0  # symmetric grid [-127, 127]: -128 is never produced by rounding
 INT8_NEG_INF = -128  # ... so it stands for -inf (NOTE [ -inf in int8 ])
 FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32
+UNMEASURED = -1.0  # Packed.stats[0] of a pack whose error was not measured (NOTE [ Measured or not ])
 _EAGER_CHUNK_NUMEL = 1 << 18  # elements per eager chunk on a CPU: fp32 temporaries <= 1 MiB
 _EAGER_CHUNK_NUMEL_ACCELERATOR = 1 << 24  # on other devices (NOTE [ Eager chunks ])
 
@@ -123,6 +125,20 @@ _EAGER_CHUNK_NUMEL_ACCELERATOR = 1 << 24  # on other devices (NOTE [ Eager chunk
 # accelerator 2^18-element chunks are launch-bound (a few microseconds of work per launch),
 # so chunks are 2^24 elements: the launches are a small part of a pass over 64 MiB, a typical
 # activation takes a handful of chunks, and the temporaries stay bounded (<= 64 MiB each).
+#
+# NOTE [ Measured or not ]
+# Measuring the error costs as much as packing: on a 2-core Xeon the int8 encoder with the error
+# sums ran at 3.1-3.5 GB/s of fp32 input, without them at 5.2-6.2 GB/s (64 MiB, compiled; the
+# machine reads memory at 21 GB/s, so both are bound by the loop's arithmetic, not by memory).
+# The error of a unit's tensors is what the planner needs, and the profile measures it
+# (plan/profile.py); a training microbatch needs only the payload and whether x was finite.
+# So int8 has a second encoder, ``_int8_encode_fast``: the same payload and scales, bitwise (the
+# same ops up to the cast), and stats = (UNMEASURED, sum of the rows' amax^2 in fp64), whose
+# second entry is NaN or inf exactly when x holds NaN or +inf -- the finiteness check reads it as
+# it reads ||x||^2 (-inf is carried, as in the measured encoder). ``pack_async(x, measure=False)``
+# uses it; ``Packed.rel_error`` of such a pack is None, never a made-up 0. The runtime measures
+# one microbatch in ``codec_error_interval`` (config; runtime/microbatch.py), so its stats still
+# report the codec's error on the training data. fp8 has no fast encoder: it always measures.
 
 
 @dataclass(frozen=True)
@@ -137,12 +153,15 @@ class Packed:
     scales: torch.Tensor  # (N, ceil(G / block_size)) fp32
     nbytes: int  # bytes of payload + scales + stats storages
     stats: torch.Tensor  # (2,) fp64 on x's device: ||x - unpack(pack(x))||^2, ||x||^2
+    # (or UNMEASURED, sum of row amax^2: NOTE [ Measured or not ])
+    measured: bool = True  # stats hold the error
 
     @property
-    def rel_error(self) -> float:
-        """||x - unpack(pack(x))||_2 / ||x||_2, measured at pack; 0 for x == 0. Reads the
-        device (a host synchronisation): the runtime reads it once per step, for stats."""
-        return relative_errors([self.stats])[0]
+    def rel_error(self) -> float | None:
+        """||x - unpack(pack(x))||_2 / ||x||_2, measured at pack; 0 for x == 0; None when the
+        pack did not measure it. Reads the device (a host synchronisation): the runtime reads
+        it once per step, for stats."""
+        return relative_errors([self.stats])[0] if self.measured else None
 
     @property
     def finite(self) -> torch.Tensor:
@@ -150,12 +169,13 @@ class Packed:
         return torch.isfinite(self.stats[1])
 
 
-def relative_errors(stats: list[torch.Tensor]) -> list[float]:
+def relative_errors(stats: list[torch.Tensor]) -> list[float | None]:
     """Relative errors of packed tensors from their ``stats``, read from the device at once:
-    0 for an all-zero tensor, NaN for a non-finite one (never 0: it was not packed faithfully)."""
+    0 for an all-zero tensor, NaN for a non-finite one (never 0: it was not packed faithfully),
+    None for a pack that did not measure it (NOTE [ Measured or not ])."""
     if not stats:
         return []
-    return [math.sqrt(e / n) if n > 0 else 0.0 if n == 0 else math.nan
+    return [None if e < 0 else math.sqrt(e / n) if n > 0 else 0.0 if n == 0 else math.nan
             for e, n in torch.stack(stats).tolist()]
 
 
@@ -347,6 +367,16 @@ def _int8_encode(x):
     return q, amax, _measure(x, finite_part, grid, scale, unit)
 
 
+def _int8_encode_fast(x):
+    # _int8_encode's payload and amax by the same ops, no error sums (NOTE [ Measured or not ])
+    xf = x.float()  # (R, B) fp32
+    amax = torch.where(xf == -math.inf, 0.0, xf).abs().amax(dim=1, keepdim=True)  # (R, 1)
+    grid = torch.round(xf / _safe_scale(amax, INT8_MAX))  # (R, B) fp32, round half to even
+    q = torch.where(grid == -math.inf, INT8_NEG_INF, grid.clamp(-INT8_MAX, INT8_MAX)).to(torch.int8)
+    finite = amax.double().square().sum()  # NaN or inf exactly when x holds NaN or +inf
+    return q, amax, torch.stack([torch.full_like(finite, UNMEASURED), finite])
+
+
 def _fp8_encode(x):
     return _encode_rows(x, FP8_E4M3_MAX, _fp8_grid)
 
@@ -395,6 +425,7 @@ class CodecSpec:
     options: Mapping[str, Any] = field(default_factory=dict)  # keyword -> default
     encode_ragged: _Kernel | None = None  # per-block amax (N, nb) when block_size does not divide G
     decode_ragged: _Kernel | None = None
+    encode_fast: _Kernel | None = None  # encode's payload and amax, the error not measured
 
 
 CODECS: Mapping[str, CodecSpec] = MappingProxyType({
@@ -402,6 +433,7 @@ CODECS: Mapping[str, CodecSpec] = MappingProxyType({
         payload_dtype=torch.int8, qmax=INT8_MAX,
         encode=_Kernel(_int8_encode, unbacked=True),
         decode=_Kernel(_int8_decode_into, unbacked=False),
+        encode_fast=_Kernel(_int8_encode_fast, unbacked=True),
         summary="symmetric int8, one absmax scale per token (row), round to nearest"),
     "fp8_e4m3": CodecSpec(
         payload_dtype=torch.float8_e4m3fn, qmax=FP8_E4M3_MAX,
@@ -424,7 +456,8 @@ _OPTION_RULES: Mapping[str, tuple[str, Callable[[Any], bool], str]] = MappingPro
 def compiled_graph_counts() -> dict[str, int]:
     """Graphs compiled so far per kernel (one per input dtype is the expected steady state)."""
     return {k.name: k.graphs for spec in CODECS.values()
-            for k in (spec.encode, spec.decode, spec.encode_ragged, spec.decode_ragged) if k}
+            for k in (spec.encode, spec.decode, spec.encode_ragged, spec.decode_ragged,
+                      spec.encode_fast) if k}
 
 
 def get_codec(name: str, backend: str = "eager", **options) -> "Codec":
@@ -495,18 +528,20 @@ class Codec:
             return max(1, min(self.options["fp8_block_size"], g))
         return max(1, g)
 
-    def pack(self, x: torch.Tensor) -> Packed | None:
+    def pack(self, x: torch.Tensor, measure: bool = True) -> Packed | None:
         """Pack ``x`` (N, G), contiguous float32/bfloat16/float16; None if x is not all finite.
 
         Reads the device once (finiteness); ``pack_async`` does not.
         """
-        packed = self.pack_async(x)
+        packed = self.pack_async(x, measure)
         return packed if bool(packed.finite) else None
 
-    def pack_async(self, x: torch.Tensor) -> Packed:
+    def pack_async(self, x: torch.Tensor, measure: bool = True) -> Packed:
         """Pack ``x`` without reading the device: whether x was finite is ``Packed.finite``
-        (the payload of a non-finite x is meaningless; the caller must check before use)."""
-        return self._pack(x)
+        (the payload of a non-finite x is meaningless; the caller must check before use).
+        ``measure=False``: the same payload without the error, where the codec has a faster
+        encoder for it (NOTE [ Measured or not ]; ``Packed.measured`` says which ran)."""
+        return self._pack(x, measure)
 
     def unpack(self, p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
         """The (N, G) tensor ``p`` stands for, in ``p.dtype``; written into ``out`` if given."""
@@ -519,24 +554,27 @@ class Codec:
             for g in (256, 200):  # divisible by the fp8 block size, and not (ragged kernels)
                 # no random numbers: the caller's RNG streams stay where they were
                 x = torch.linspace(-3.0, 3.0, 4 * g, device=device).reshape(4, g).to(dtype)
-                self._unpack(self._pack(x), None)
+                self._unpack(self._pack(x, True), None)
+                self._pack(x, False)
 
     # -- internals
-    def _pack(self, x: torch.Tensor) -> Packed:
+    def _pack(self, x: torch.Tensor, measure: bool) -> Packed:
         _check_input(x)
         n, g = x.shape
         b = self.block_size(g)
         if x.numel() == 0:
             return self._packed(x, b, x.new_empty(x.shape, dtype=self.spec.payload_dtype),
                                 x.new_empty((n, -(-g // b)), dtype=torch.float32),
-                                torch.zeros(2, dtype=torch.float64, device=x.device))
+                                torch.zeros(2, dtype=torch.float64, device=x.device), True)
+        fast = not measure and self.spec.encode_fast is not None and g % b == 0
         with torch.no_grad():
             if g % b == 0:  # one scale per row of the (N * nb, b) view
-                q, amax, stats = self._run_encode(self.spec.encode, x.view(n * (g // b), b))
+                kernel = self.spec.encode_fast if fast else self.spec.encode
+                q, amax, stats = self._run_encode(kernel, x.view(n * (g // b), b))
             else:
                 q, amax, stats = self._run_encode(self.spec.encode_ragged, x, b)
             scales = _safe_scale(amax.view(n, -1), self.spec.qmax)  # (N, nb) as in the kernel
-        return self._packed(x, b, q.view(n, g), scales, stats)
+        return self._packed(x, b, q.view(n, g), scales, stats, not fast)
 
     def _unpack(self, p: Packed, out: torch.Tensor | None) -> torch.Tensor:
         if p.codec != self.name:
@@ -558,10 +596,11 @@ class Codec:
                 self._run_decode(self.spec.decode_ragged, p.payload, p.scales, out, b)
         return out
 
-    def _packed(self, x, block_size, payload, scales, stats) -> Packed:
+    def _packed(self, x, block_size, payload, scales, stats, measured: bool) -> Packed:
         return Packed(codec=self.name, shape=tuple(x.shape), dtype=x.dtype, block_size=block_size,
                       payload=payload, scales=scales,
-                      nbytes=live_storage_bytes([payload, scales, stats]), stats=stats)
+                      nbytes=live_storage_bytes([payload, scales, stats]), stats=stats,
+                      measured=measured)
 
     def _use_compiled(self, kernel: _Kernel, rows: torch.Tensor) -> bool:
         return (self.backend == "compile" and kernel.failure is None

@@ -27,7 +27,8 @@ class Microbatch:
         self.min_pack_numel = runtime.config.min_pack_numel
         self.derive = runtime.config.derive_pointwise  # NOTE [ Derived tensors ] (derived.py)
         self._weights = runtime._weights  # weight recognition (runtime/weights.py)
-        self.counters = Counters()
+        # one in codec_error_interval measures what it packs (NOTE [ Measured or not ] in codecs.py)
+        self.counters = Counters(measure=index % runtime.config.codec_error_interval == 0)
         self.frames: dict[int, weakref.ref] = {}  # layer index -> frame
         self.last_layer = -1
         self.coefficients: torch.Tensor | None = None

@@ -39,7 +39,9 @@ def step_stats(summaries: list[dict], policy) -> dict[str, Any]:
     for key in _COUNTED:
         out[key] = sum(m[key] for m in mbs)
     errors = relative_errors([e for m in mbs for e in m.pop("_packed_stats")])
-    out["packed_rel_error_max"] = max(errors, default=0.0)
+    measured = [e for e in errors if e is not None]  # NOTE [ Measured or not ] in codecs.py
+    # 0.0: nothing packed; None: packed, but no microbatch of the step measured the error
+    out["packed_rel_error_max"] = max(measured, default=None if errors else 0.0)
     if policy is not None:  # peak, budget, error estimates, plans (ds_hilore.plan)
         out.update(policy.stats)
     return out

@@ -63,11 +63,12 @@ class Counters:
     """What the frames of one microbatch measured (added up as they run)."""
 
     __slots__ = ("pack_s", "unpack_s", "recompute_s", "recomputed_units", "nonfinite_slices",
-                 "packed_stats", "checks", "events")
+                 "packed_stats", "checks", "events", "measure")
 
-    def __init__(self):
+    def __init__(self, measure: bool = True):
         self.pack_s = self.unpack_s = self.recompute_s = 0.0  # seconds
         self.recomputed_units = self.nonfinite_slices = 0
+        self.measure = measure  # packs measure their error (NOTE [ Measured or not ] in codecs.py)
         self.packed_stats: list[torch.Tensor] = []  # Packed.stats of each packed run (device)
         # NOTE [ One read per microbatch ]: conditions that the forward cannot check without
         # reading the device (a packed run was finite, a weight cast is what it looks like)
@@ -226,7 +227,7 @@ class Stored:
         they were finite is checked later, with every other check of the microbatch (NOTE
         [ One read per microbatch ]): a non-finite run sends its unit to R."""
         with self.counters.timed("pack_s", rows.device):
-            packed = self.codec.pack_async(rows.view(-1, self.group))  # (tokens, features)
+            packed = self.codec.pack_async(rows.view(-1, self.group), self.counters.measure)
         run = PackedRows(packed, start, stop)
         parts[start:stop] = [run] * (stop - start)
         self.counters.packed_stats.append(packed.stats)
