@@ -54,9 +54,7 @@ needs_compile = pytest.mark.skipif(COMPILE_UNAVAILABLE is not None,
 
 
 def registry_kernels():
-    return [k for spec in CODECS.values()
-            for k in (spec.encode, spec.decode, spec.encode_ragged, spec.decode_ragged,
-                      spec.encode_fast) if k]
+    return [k for spec in CODECS.values() for k in spec.kernels()]
 
 
 @pytest.fixture(autouse=True)
@@ -210,6 +208,48 @@ def test_compiled_and_eager_agree_bitwise(name, options, label, dtype):
     assert torch.equal(fe.payload.view(torch.uint8), pc.payload.view(torch.uint8))
     assert torch.equal(fc.payload.view(torch.uint8), pc.payload.view(torch.uint8))
     assert torch.equal(fe.scales, pc.scales) and torch.equal(fc.scales, pc.scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cpu_decodes_int8_bitwise_as_the_fused_decoder(backend, dtype):
+    """NOTE [ int8 loads on a CPU ]: ATen's cast and the in-place rescale give, bit for bit, what
+    the fused decoder (the accelerators' one pass) gives, -inf sentinel, zero rows and the
+    extremes of the grid included, compiled and eager alike."""
+    x = gaussian(600, 256, dtype, seed=5) * 3  # 600 rows: several eager chunks
+    x[0], x[1, :7] = 0.0, -math.inf  # a zero row; -inf carried as the sentinel
+    x[2, 0], x[3, 0] = 1e4, -1e4  # rows whose other values round to small payloads
+    codec = get_codec("int8", backend)
+    p = codec.pack(x)
+    assert (p.payload == INT8_NEG_INF).sum() == 7 and p.payload.abs().max() == 127
+    got = codec.unpack(p)
+    fused = torch.empty_like(x)
+    rows = (p.payload.view(-1, 256), p.scales.view(-1, 1), fused.view(-1, 256))
+    if backend == "compile":
+        assert CODECS["int8"].decode.compiled(*rows) is not codecs._FAILED
+    else:
+        codecs._int8_decode_into(*rows)
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype != torch.float32
+                                                       else torch.int32),
+                                              fused.view(torch.int16 if dtype != torch.float32
+                                                         else torch.int32))
+    assert torch.isneginf(got[1, :7]).all() and (got[0] == 0).all()
+
+
+@pytest.mark.parametrize("device, rescaled, fused", [("cpu", 4, 0), ("meta", 0, 1)])
+def test_only_a_cpu_decodes_int8_through_the_rescale(device, rescaled, fused):
+    # a CPU: ATen's cast, then the rescale kernel (in 2^18-element chunks when eager); an
+    # accelerator (a meta tensor stands for one: no data): the fused decoder, one pass
+    spec = CODECS["int8"]
+    decode, rescale = _CountedCalls(spec.decode.fn), _CountedCalls(spec.rescale.fn)
+    counted = codecs.CodecSpec(payload_dtype=torch.int8, qmax=codecs.INT8_MAX, encode=spec.encode,
+                               decode=codecs._Kernel(decode, unbacked=False),
+                               rescale=codecs._Kernel(rescale, unbacked=False), summary="test")
+    codec = codecs.Codec("int8", counted, "eager", {})
+    x = torch.empty(1024, 1024, device=device)
+    if device == "cpu":
+        x.normal_()
+    codec.unpack(codec.pack_async(x))
+    assert (rescale.calls, decode.calls) == (rescaled, fused)
 
 
 @needs_compile

@@ -1,5 +1,9 @@
 """L (packed low precision) inside the runtime: error bounds, exact byte counts, per-sequence splits."""
 
+import collections
+import itertools
+import types
+
 import pytest
 import torch
 from models import batch, loss_and_grads, tiny_model
@@ -213,3 +217,35 @@ def test_microbatches_that_do_not_measure_the_codec_error_pack_the_same_payload(
         assert all(torch.equal(every[n], some[n]) for n in every), k
         assert 0 < e1 < PACKED_ERROR_BOUND["int8"]
         assert e3 == (e1 if k % 3 == 0 else None), k
+
+
+def test_a_derived_tensor_does_not_time_its_packed_inputs_decode_twice(monkeypatch):
+    """A gated MLP's activation and product are re-derived from its packed gate and up
+    projections (NOTE [ Derived tensors ]): their decode is timed in its own block, the
+    derivation in another, so ``unpack_s`` counts each block once. A clock that advances by 1
+    at each reading makes every block add exactly 1; a block timed inside another adds 3."""
+    from ds_hilore.runtime import derived, storage
+
+    clock = itertools.count()
+    monkeypatch.setattr(storage, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    blocks, reads = collections.Counter(), collections.Counter()
+    timed, view = storage.Counters.timed, derived.Derived.view
+
+    def counted_timed(self, name, device):
+        blocks[name] += 1
+        return timed(self, name, device)
+
+    def counted_view(self, spec):
+        reads[self.buffer is None] += 1
+        return view(self, spec)
+
+    monkeypatch.setattr(storage.Counters, "timed", counted_timed)
+    monkeypatch.setattr(derived.Derived, "view", counted_view)
+    model = _model()
+    runtime = ds_hilore.attach(model, _config(force_plan="L"))
+    loss_and_grads(model, batch(seq=64))
+    runtime.end_step()
+    assert reads[True] >= 4  # two layers, each deriving its activation and product
+    assert blocks["pack_s"] > 0 and blocks["unpack_s"] > reads[True]
+    assert runtime.stats["pack_s"] == blocks["pack_s"]
+    assert runtime.stats["unpack_s"] == blocks["unpack_s"]

@@ -332,8 +332,7 @@ def warm_codec(codec_backend: str) -> str:
     codec = codec_from_config(hilore_config(METHODS[-1], codec_backend))
     start = time.perf_counter()
     codec.warmup()
-    kernels = (codec.spec.encode, codec.spec.encode_fast, codec.spec.decode)
-    failures = [k.failure for k in kernels if k is not None and k.failure]
+    failures = [k.failure for k in codec.spec.kernels() if k.failure]
     how = (f"eager fallback ({failures[0]})" if failures else
            "torch.compile" if codec_backend == "compile" else "eager")
     return f"codec int8: {how}, ready in {time.perf_counter() - start:.1f} s"
