@@ -18,7 +18,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 import ds_hilore  # noqa: E402
-from tests.models import VOCAB, tiny_model  # noqa: E402
+from tests.models import VOCAB, equal_utilities, tiny_model  # noqa: E402
 
 # Plans from H and R only (no codec), measured but never timed into L: every choice is exact.
 PLANNING = {"low_precision": "none", "profile_microbatches": 2, "calibration_microbatches": 0,
@@ -185,7 +185,8 @@ def test_a_failed_probe_says_what_failed_once(caplog):
 
 
 # ---- a partial force_plan -----------------------------------------------------------------------
-def test_units_a_force_plan_mapping_does_not_match_are_left_to_the_allocator():
+def test_units_a_force_plan_mapping_does_not_match_are_left_to_the_allocator(monkeypatch):
+    equal_utilities(monkeypatch)  # H pays for every unit whatever the load: with room, H is kept
     model = tiny_model("qwen2", layers=2, hidden=32, dropout=False)
     runtime = ds_hilore.attach(model, {**PLANNING, "memory_budget": 4.0,
                                        "force_plan": {"model.layers.0.*": "R"}})
