@@ -316,9 +316,39 @@ def test_best_rival_is_the_closest_by_paired_rounds_not_the_fastest_median():
     assert steps["block_h@1.1"] < steps["hr@1.1"]  # the unpaired summary would pick block_h
     (v,) = targets.targets(report)
     assert v["best_rival"] == "hr@1.1"
-    assert [c["rival"] for c in v["decisive"]] == ["gc", "hr@1.1"]  # no static in this report
+    # no static in this report; block_h is behind hr in six rounds of seven, not yet decided
+    # behind it (which of the two is the best is not known): HiLoRe vs each is decisive
+    assert [c["rival"] for c in v["decisive"]] == ["gc", "hr@1.1", "block_h@1.1"]
+    assert [c["best_rival"] for c in v["decisive"]] == [False, True, False]
     hr = next(c for c in v["decisive"] if c["rival"] == "hr@1.1")
     assert hr["median"] == pytest.approx(1.05) and hr["verdict"] == "ahead"
+
+
+@pytest.mark.parametrize("block_h, decisive", [(1.2, False), (1.08, True)])
+def test_a_rival_level_with_the_best_one_is_decisive_too(block_h, decisive):
+    # hr 5 % slower than hilore every round; block_h either decided behind hr (20 % slower
+    # every round) or level with it (1.08 in half the rounds, 1.03 in the other: its paired
+    # ratio to hilore, median 1.055, still puts hr closest)
+    n = 8
+    shifts = {"gc": [1.5] * n, "nogc": [0.8] * n, "hilore@1.1": [1.0] * n, "hr@1.1": [1.05] * n,
+              "block_h@1.1": [block_h if block_h > 1.1 else block_h - 0.05 * (k % 2) for k in range(n)]}
+    rounds = [{"round": k, "step": 0, "order": list(shifts),
+               "wall_s": {m: (1 + k) * s[k] for m, s in shifts.items()},
+               "cpu_s": {m: (1 + k) * s[k] for m, s in shifts.items()}} for k in range(n)]
+
+    def row(name, peak):
+        method, _, budget = name.partition("@")
+        walls = sorted(r["wall_s"][name] for r in rounds)
+        return {"method": method, "budget": float(budget) if budget else None, "peak_bytes": peak,
+                "timed_as": name, "grad_err": {"mean": 0.0, "max": 0.0}, "recomputed_flops": 0,
+                "step_s": {"median": statistics.median(walls), "min": walls[0], "max": walls[-1]}}
+
+    report = {"gc_peak_bytes": 100, "rounds": rounds,
+              "runs": [row(name, 200 if name == "nogc" else 105) for name in shifts]}
+    (v,) = targets.targets(report)
+    assert v["best_rival"] == "hr@1.1"
+    rivals = [c["rival"] for c in v["decisive"]]
+    assert rivals == ["gc", "hr@1.1", "block_h@1.1"] if decisive else rivals == ["gc", "hr@1.1"]
 
 
 def test_a_steps_flops_count_every_microbatch():

@@ -108,8 +108,8 @@ def parse_rounds(text: str) -> int | str:
         rounds = 0
     if rounds < 1:
         raise BenchError(f"--rounds {text}: allowed: a number of paired rounds >= 1, or auto "
-                         "(add rounds until hilore vs gc / static / the best in-budget rival is "
-                         "decided, within --max-minutes)")
+                         "(add rounds until hilore vs gc / static / the best in-budget rival, and any "
+                         "rival level with that one, is decided, within --max-minutes)")
     return rounds
 
 
@@ -202,8 +202,8 @@ def add_arguments(parser) -> None:
                              "gc are always run)")
     parser.add_argument("--rounds", "--repeats", dest="rounds", metavar="N|auto", default="7",
                         help="paired rounds (every run once per round, the order rotating), or "
-                             "auto: until hilore vs gc / static / the best in-budget rival is "
-                             "decided or --max-minutes is reached (default 7)")
+                             "auto: until hilore vs gc / static / the best in-budget rival (and any "
+                             "rival level with it) is decided or --max-minutes is reached (default 7)")
     parser.add_argument("--max-minutes", metavar="M", type=float, default=None,
                         help="stop adding rounds when the whole run would pass M minutes "
                              "(default: none; auto without it: 30)")

@@ -15,8 +15,9 @@ numbers only:
   HiLoRe's speed over the rival's, median ratio, 95 % interval, ``ahead`` / ``level`` /
   ``behind``) by the wall clock and by CPU-seconds;
 * ``decisive``: the comparisons the adaptive rounds wait for -- against ``gc``, ``static`` at
-  this budget and the best in-budget rival (``best_rival``: the one HiLoRe's paired rounds put
-  closest) -- and ``undecided``.
+  this budget, the best in-budget rival (``best_rival``: the one HiLoRe's paired rounds put
+  closest) and every rival whose own paired rounds against that one are not yet behind it
+  (``contenders``: which is best is not known while they are level) -- and ``undecided``.
 
 ``met`` collects each target's verdict (``None`` where the numbers do not decide it).
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 from ds_hilore.bench import paired
 
-__all__ = ["ERROR_TOLERANCE", "FLOPS_AVOIDED", "GAP_CLOSED", "best_rival", "decisive", "label",
+__all__ = ["ERROR_TOLERANCE", "FLOPS_AVOIDED", "GAP_CLOSED", "best_rival", "contenders", "decisive", "label",
            "samples", "standing", "targets", "targets_text", "timed"]
 
 ERROR_TOLERANCE = 0.010
@@ -89,14 +90,27 @@ def best_rival(report: dict[str, Any], me: dict[str, Any], rivals: list[dict]) -
     return label(min(rivals, key=closeness)) if rivals else None
 
 
+def contenders(report: dict[str, Any], best: str | None, rivals: list[dict]) -> list[str]:
+    """``best`` and every in-budget rival the paired rounds have not yet put behind it: while
+    two rivals are level with each other, which of them is the best is not known, so HiLoRe's
+    comparison with each of them is decisive."""
+    if best is None:
+        return []
+    rows = {label(r): r for r in rivals}
+    return [best] + [name for name, row in rows.items() if name != best
+                     and _versus(report, rows[best], row)["wall"]["verdict"] != "ahead"]
+
+
 def decisive(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per ``hilore`` row: its comparisons with ``gc``, ``static`` at its budget and the best
-    in-budget rival (``best_rival``), by the wall clock, each with ``decided``."""
+    """Per ``hilore`` row: its comparisons with ``gc``, ``static`` at its budget, the best
+    in-budget rival (``best_rival``) and every rival still level with that one (``contenders``),
+    by the wall clock, each with ``decided``."""
     out = []
     for me in [r for r in report["runs"] if r["method"] == "hilore" and r.get("step_s")]:
-        best = best_rival(report, me, _in_budget(report, me))
+        rivals = _in_budget(report, me)
+        best = best_rival(report, me, rivals)
         rows = {label(r): r for r in report["runs"] if r.get("step_s")}
-        for name in dict.fromkeys(["gc", f"static@{me['budget']:g}", best]):
+        for name in dict.fromkeys(["gc", f"static@{me['budget']:g}", *contenders(report, best, rivals)]):
             if name in rows:
                 c = _versus(report, me, rows[name])["wall"]
                 out.append({"run": label(me), "rival": name, "best_rival": name == best, **c})
