@@ -22,11 +22,9 @@ _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-pro
 def find_runtime(model: nn.Module | None = None):
     """The runtime attached to ``model`` (or to a module containing it), else the only one."""
     live = [rt for rt in list(ATTACHED) if rt.attached]
-    if model is not None:
-        for rt in live:
-            if rt.model is model or any(m is model for m in rt.model.modules()):
-                return rt
-        return None
+    if model is not None:  # the runtime of ``model`` itself first: no walk over other models
+        return (next((rt for rt in live if rt.model is model), None)
+                or next((rt for rt in live if any(m is model for m in rt.model.modules())), None))
     return live[0] if len(live) == 1 else None
 
 
