@@ -28,8 +28,8 @@ from typing import Any
 
 from ds_hilore.bench import paired
 
-__all__ = ["ERROR_TOLERANCE", "FLOPS_AVOIDED", "GAP_CLOSED", "best_rival", "contenders", "decisive", "label",
-           "samples", "standing", "targets", "targets_text", "timed"]
+__all__ = ["ERROR_TOLERANCE", "FLOPS_AVOIDED", "GAP_CLOSED", "best_rival", "contenders", "decisive",
+           "label", "samples", "standing", "targets", "targets_text", "timed"]
 
 ERROR_TOLERANCE = 0.010
 FLOPS_AVOIDED = 0.40  # the paper: recompute time -42.8 % at 1.10x
@@ -110,7 +110,8 @@ def decisive(report: dict[str, Any]) -> list[dict[str, Any]]:
         rivals = _in_budget(report, me)
         best = best_rival(report, me, rivals)
         rows = {label(r): r for r in report["runs"] if r.get("step_s")}
-        for name in dict.fromkeys(["gc", f"static@{me['budget']:g}", *contenders(report, best, rivals)]):
+        names = ["gc", f"static@{me['budget']:g}", *contenders(report, best, rivals)]
+        for name in dict.fromkeys(names):
             if name in rows:
                 c = _versus(report, me, rows[name])["wall"]
                 out.append({"run": label(me), "rival": name, "best_rival": name == best, **c})

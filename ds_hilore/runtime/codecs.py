@@ -353,7 +353,8 @@ def _encode_rows(x: torch.Tensor, qmax: float, to_grid) -> tuple:
 
 def _int8_rows(xf):
     """The int8 encoders' shared first half on xf (R, B) fp32: (xf with -inf as 0, amax,
-    scale, the unclamped grid round(xf / scale)). NaN and +inf stay: amax and the stats show them."""
+    scale, the unclamped grid round(xf / scale)). NaN and +inf stay: amax and the stats show
+    them."""
     finite_part = torch.where(xf == -math.inf, 0.0, xf)  # (R, B) fp32
     amax = finite_part.abs().amax(dim=1, keepdim=True)  # (R, 1)
     scale = _safe_scale(amax, INT8_MAX)  # (R, 1) fp32
@@ -416,8 +417,9 @@ def _int8_rescale(out, scale):
     out.copy_(_int8_scaled(out.float(), scale))
 
 
-# As _int8_decode_into's body without the sentinel, but its own code object: dynamo caches graphs per code
-# object, at most 8 (recompile_limit); one shared decoder would hold 2 payloads x 3 dtypes.
+# As _int8_decode_into's body without the sentinel, but its own code object: dynamo caches
+# graphs per code object, at most 8 (recompile_limit); one shared decoder would hold 2 payloads
+# x 3 dtypes.
 def _fp8_decode_into(q, scale, out):
     out.copy_(q.float() * scale)  # (R, B) * (R, 1), cast to out.dtype
 
@@ -441,9 +443,10 @@ def _fp8_decode_ragged_into(q, scale, out, block_size: int):
 # -inf (NOTE [ -inf in int8 ]). The values are bitwise the fused decoder's (the same fp32
 # product of the same integer and scale, one cast to out.dtype; tested): 1.7 -> 0.4 ms for
 # that tensor on the EPYC, in cache, the kernels alone (0.6 ms through ``Codec.unpack``, whose
-# compiled call adds about 0.1 ms per kernel). Accelerators keep the fused decoder, one pass over the
-# payload (Triton loads int8 at full width). Only the decoder: the encoders read fp32 at full
-# width and store the int8 payload once per row; ATen casting an fp32 grid instead ran no faster.
+# compiled call adds about 0.1 ms per kernel). Accelerators keep the fused decoder, one pass
+# over the payload (Triton loads int8 at full width). Only the decoder: the encoders read fp32
+# at full width and store the int8 payload once per row; ATen casting an fp32 grid instead ran
+# no faster.
 
 
 @dataclass(frozen=True)
