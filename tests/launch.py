@@ -122,8 +122,12 @@ def _all_output(launcher_output: str, log_dir: Path) -> str:
 
 # A rank of a 2-rank CPU launch has been seen, rarely, to abort in C++ ("terminate called without
 # an active exception"; NOTE [ Ending the process group ]). Such a launch is run once more, with a
-# warning; a second abort fails the test.
+# warning; a second abort fails the test. So is a launch whose store could not listen on its port:
+# free_port() finds a port free, but another launch (the other test worker's) may take it before
+# the store binds it; the second try gets a new port.
 NATIVE_ABORT = "terminate called without an active exception"
+PORT_TAKEN = "Address already in use"
+RETRIED = (NATIVE_ABORT, PORT_TAKEN)
 
 
 def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...] = (), nprocs: int = 2,
@@ -136,7 +140,8 @@ def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...]
         nprocs: number of ranks.
         launcher: ``"deepspeed"`` (``deepspeed --num_gpus N``) or ``"mpirun"`` (``mpirun -np N``).
         timeout: seconds before every process of the launch is killed and the test fails.
-        retry: run the launch once more after a native abort (``NATIVE_ABORT``, see above).
+        retry: run the launch once more after a native abort or a port taken (``RETRIED``,
+            see above).
 
     Returns:
         One dict per rank, sorted by rank, as written by :func:`write_result`.
@@ -168,9 +173,10 @@ def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...]
     try:
         if proc.returncode != 0:
             everything = _all_output(output, log_dir)
-            if retry and NATIVE_ABORT in everything:
-                warnings.warn(f"{launcher} launch of {script.name}: a rank aborted natively "
-                              f"({NATIVE_ABORT!r}); launching once more")
+            cause = next((c for c in RETRIED if c in everything), None) if retry else None
+            if cause is not None:
+                warnings.warn(f"{launcher} launch of {script.name}: {cause!r} in its output; "
+                              f"launching once more")
                 return run_distributed(script, args, nprocs, launcher, timeout, retry=False)
             pytest.fail(f"{launcher} launch of {script.name} exited with {proc.returncode}\n"
                         f"{' '.join(cmd)}\n{everything}")
