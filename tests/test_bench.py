@@ -292,26 +292,31 @@ def test_targets_verdicts_on_known_numbers():
     assert v["met"]["ahead_of_rivals"] is None and set(v["undecided"]) == {"gc", "static@1.1"}
 
 
-def test_best_rival_is_the_closest_by_paired_rounds_not_the_fastest_median():
-    # seven rounds of rising load; hr is 5 % slower than hilore in every round, block_h 20 %
-    # slower except in the middle round, which puts block_h's median step below hr's
-    loads = [1, 2, 3, 4, 5, 6, 7]
-    shifts = {"hr@1.1": [1.05] * 7, "block_h@1.1": [1.2, 1.2, 1.2, 0.9, 1.2, 1.2, 1.2],
-              "gc": [1.5] * 7, "nogc": [0.8] * 7, "hilore@1.1": [1.0] * 7}
+def _paired_report(shifts: dict[str, list[float]], loads: list[float], peaks: dict[str, int]) -> dict:
+    """A report of paired rounds: run ``m``'s step takes ``loads[k] * shifts[m][k]`` in round k
+    (wall and CPU alike); GC's peak is 100, ``peaks`` the runs' own, every error 0."""
     rounds = [{"round": k, "step": 0, "order": list(shifts),
                "wall_s": {m: load * s[k] for m, s in shifts.items()},
                "cpu_s": {m: load * s[k] for m, s in shifts.items()}} for k, load in enumerate(loads)]
 
-    def row(name, peak):
+    def row(name):
         method, _, budget = name.partition("@")
         walls = sorted(r["wall_s"][name] for r in rounds)
-        return {"method": method, "budget": float(budget) if budget else None, "peak_bytes": peak,
-                "timed_as": name, "grad_err": {"mean": 0.0, "max": 0.0}, "recomputed_flops": 0,
+        return {"method": method, "budget": float(budget) if budget else None,
+                "peak_bytes": peaks[name], "timed_as": name,
+                "grad_err": {"mean": 0.0, "max": 0.0}, "recomputed_flops": 0,
                 "step_s": {"median": statistics.median(walls), "min": walls[0], "max": walls[-1]}}
 
-    report = {"gc_peak_bytes": 100, "rounds": rounds,
-              "runs": [row("nogc", 200), row("gc", 100), row("hr@1.1", 105),
-                       row("block_h@1.1", 105), row("hilore@1.1", 108)]}
+    return {"gc_peak_bytes": 100, "rounds": rounds, "runs": [row(name) for name in peaks]}
+
+
+def test_best_rival_is_the_closest_by_paired_rounds_not_the_fastest_median():
+    # seven rounds of rising load; hr is 5 % slower than hilore in every round, block_h 20 %
+    # slower except in the middle round, which puts block_h's median step below hr's
+    shifts = {"hr@1.1": [1.05] * 7, "block_h@1.1": [1.2, 1.2, 1.2, 0.9, 1.2, 1.2, 1.2],
+              "gc": [1.5] * 7, "nogc": [0.8] * 7, "hilore@1.1": [1.0] * 7}
+    report = _paired_report(shifts, [1, 2, 3, 4, 5, 6, 7], {
+        "nogc": 200, "gc": 100, "hr@1.1": 105, "block_h@1.1": 105, "hilore@1.1": 108})
     steps = {r["timed_as"]: r["step_s"]["median"] for r in report["runs"]}
     assert steps["block_h@1.1"] < steps["hr@1.1"]  # the unpaired summary would pick block_h
     (v,) = targets.targets(report)
@@ -331,24 +336,14 @@ def test_a_rival_level_with_the_best_one_is_decisive_too(block_h, decisive):
     # ratio to hilore, median 1.055, still puts hr closest)
     n = 8
     shifts = {"gc": [1.5] * n, "nogc": [0.8] * n, "hilore@1.1": [1.0] * n, "hr@1.1": [1.05] * n,
-              "block_h@1.1": [block_h if block_h > 1.1 else block_h - 0.05 * (k % 2) for k in range(n)]}
-    rounds = [{"round": k, "step": 0, "order": list(shifts),
-               "wall_s": {m: (1 + k) * s[k] for m, s in shifts.items()},
-               "cpu_s": {m: (1 + k) * s[k] for m, s in shifts.items()}} for k in range(n)]
-
-    def row(name, peak):
-        method, _, budget = name.partition("@")
-        walls = sorted(r["wall_s"][name] for r in rounds)
-        return {"method": method, "budget": float(budget) if budget else None, "peak_bytes": peak,
-                "timed_as": name, "grad_err": {"mean": 0.0, "max": 0.0}, "recomputed_flops": 0,
-                "step_s": {"median": statistics.median(walls), "min": walls[0], "max": walls[-1]}}
-
-    report = {"gc_peak_bytes": 100, "rounds": rounds,
-              "runs": [row(name, 200 if name == "nogc" else 105) for name in shifts]}
+              "block_h@1.1": [block_h if block_h > 1.1 else block_h - 0.05 * (k % 2)
+                              for k in range(n)]}
+    report = _paired_report(shifts, [1 + k for k in range(n)],
+                            {name: 200 if name == "nogc" else 105 for name in shifts})
     (v,) = targets.targets(report)
     assert v["best_rival"] == "hr@1.1"
-    rivals = [c["rival"] for c in v["decisive"]]
-    assert rivals == ["gc", "hr@1.1", "block_h@1.1"] if decisive else rivals == ["gc", "hr@1.1"]
+    expected = ["gc", "hr@1.1", "block_h@1.1"] if decisive else ["gc", "hr@1.1"]
+    assert [c["rival"] for c in v["decisive"]] == expected
 
 
 def test_a_steps_flops_count_every_microbatch():
