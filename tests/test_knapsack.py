@@ -172,3 +172,76 @@ def test_full_size_instance():
     sol = solve(groups, memory_budget, risk_budget)
     _assert_feasible(groups, sol, memory_budget, risk_budget)
     assert sol.utility > 0.0
+
+
+def _random_caps(rng, groups, memory_budget):
+    """A cap (or None) per group, and options whose own bytes are part of their memory."""
+    capped = []
+    for group in groups:
+        capped.append([o if o.memory == 0 or rng.random() < 0.3 else
+                       Option(o.label, o.utility, o.memory, o.risk, int(rng.integers(0, o.memory + 1)))
+                       for o in group])
+    caps = [None if rng.random() < 0.25 else int(rng.integers(0, memory_budget + 20))
+            for _ in groups]
+    return capped, caps
+
+
+def _assert_caps_hold(groups, sol, caps):
+    before = 0
+    for g, (group, i) in enumerate(zip(groups, sol.choice)):
+        o = group[i]
+        if caps[g] is not None:
+            assert before + o.own_bytes <= caps[g], (g, before, o, caps[g])
+        before += o.memory
+
+
+def test_caps_random_instances_against_brute_force():
+    # Caps on what the groups before a group keep plus its option's own bytes (the backward's
+    # memory model): coarse bins stay feasible and within the bound; whole bins are exact.
+    rng = np.random.default_rng(4)
+    binding = 0
+    for _ in range(300):
+        memory_budget = int(rng.integers(0, 60))
+        groups = _random_groups(rng, lambda: 0.0, lambda: float(rng.uniform(-1.0, 3.0)),
+                                max_memory=40)
+        groups, caps = _random_caps(rng, groups, memory_budget)
+        exact = brute_force(groups, memory_budget, 0.0, caps=caps)
+        _assert_caps_hold(groups, exact, caps)
+        sol = solve(groups, memory_budget, 0.0, memory_bins=8, caps=caps)
+        _assert_feasible(groups, sol, memory_budget, 0.0)
+        _assert_caps_hold(groups, sol, caps)
+        assert sol.utility <= exact.utility + 1e-12
+        assert exact.utility <= sol.utility + sol.bound + 1e-9
+        whole = solve(groups, memory_budget, 0.0, memory_bins=max(memory_budget, 1), caps=caps)
+        assert whole.utility == pytest.approx(exact.utility, abs=1e-9) and whole.bound == 0.0
+        binding += exact.utility < brute_force(groups, memory_budget, 0.0).utility - 1e-9
+    assert binding > 20  # the caps do change the optimum on many instances
+
+
+def test_a_group_whose_own_bytes_are_free_is_kept_last():
+    # Three layers of 10 bytes, 20 of budget at the end of the forward, 10 at each backward;
+    # keeping a layer adds nothing at its own backward (own 0): the last is kept beyond the
+    # others' 10 (the layers before it are alive at its backward), and one of those (the
+    # tie rule: the lexicographically smallest choice)
+    layer = [ZERO, Option("H", 1.0, 10, 0.0, own=0)]
+    sol = solve([layer] * 3, 20, 0.0, caps=[10, 10, 10])
+    assert sol.choice == (0, 1, 1) and sol.memory == 20
+    assert sol == brute_force([layer] * 3, 20, 0.0, caps=[10, 10, 10])
+    # without own bytes off (own = memory), the caps bound the prefix including the layer
+    heavy = [ZERO, Option("H", 1.0, 10, 0.0)]
+    assert solve([heavy] * 3, 20, 0.0, caps=[10, 10, 10]).memory == 10
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(caps=[5, 5]), "one per group"),
+    (dict(caps=[-1]), r"caps\[0\]"),
+    (dict(caps=[1.5]), r"caps\[0\]"),
+    (dict(groups=[[ZERO, Option("x", 1.0, 4, 0.0, own=5)]]), "own must be"),
+    (dict(groups=[[ZERO, Option("x", 1.0, 4, 0.0, own=-1)]]), "own must be"),
+])
+def test_malformed_caps_are_rejected(kwargs, match):
+    args = dict(groups=[[ZERO]], memory_budget=10, risk_budget=1.0) | kwargs
+    with pytest.raises(ValueError, match=match):
+        solve(**args)
+    with pytest.raises(ValueError, match=match):
+        brute_force(**args)

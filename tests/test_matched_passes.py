@@ -112,7 +112,7 @@ def _validation_peak(budget_room: int | None) -> tuple[PeakMeter, int | None, di
         budget = None
         if budget_room is not None:
             profile = bucket.profile
-            activations = profile.gc_peak_bytes - profile.baseline_bytes + bucket.plan.memory_bytes
+            activations = profile.gc_peak_bytes - profile.baseline_bytes + bucket.plan.peak_over_gc_bytes
             budget = bucket.budget_bytes = in_use_bytes("cpu") + activations + budget_room
         with PeakMeter("cpu") as meter:
             runtime.end_step()

@@ -1,6 +1,6 @@
 """The check of a plan's peak (NOTE [ The plan's peak, checked ] and NOTE [ Headroom a checked
 plan left ] in plan/metering.py), on CPU with real models and op-level windows: a microbatch
-run in part checks a plan without passing it, one that runs it whole passes it; a plan whose price (GC's peak plus what it keeps) exceeds its peak well
+run in part checks a plan without passing it, one that runs it whole passes it; a plan whose price (GC's peak plus what it was priced to add) exceeds its peak well
 gives its bucket the excess (less two margins) as headroom; plans re-solved per microbatch
 stay within the headroom without it.
 
@@ -122,12 +122,12 @@ def test_a_microbatch_run_in_part_does_not_pass_the_plan(monkeypatch):
         _microbatch(model, runtime, 2)
         bucket = policy.buckets[(B, T)]
         assert bucket.headroom_credit == 0
-        # an absolute budget with room for one unit of the eight (an all-H plan stores every
-        # sequence whatever the prediction), planned again from the same profile
+        # an absolute budget with room for some units of the eight, not all (an all-H plan
+        # stores every sequence whatever the prediction), planned again from the same profile
         policy.config = HiLoReConfig(**dict(CONFIG, memory_budget_bytes=bucket.profile.gc_peak_bytes
                                             + 6 * MiB))
         policy._plan_bucket(bucket, profiled=False)
-        assert sorted(bucket.plan.actions.values()).count("H") == 1, bucket.plan
+        assert 0 < sorted(bucket.plan.actions.values()).count("H") < B, bucket.plan
         checks = len(collective.checks)
         runtime.expect([1.0] * (B // 2) + [0.0] * (B // 2))  # half kept: a plan re-solved,
         _microbatch(model, runtime, 3)  # measured (an overshoot would count), partial

@@ -7,6 +7,21 @@ memory = the bytes each unit keeps, plus the fast-forward tensor of every kept u
 a recomputed one in the same layer; utility = the measured seconds it saves against R; risk =
 the risk model's estimate of the gradient error it adds (``risk.py``). The all-R option costs
 nothing, so a plan always exists (GC). Pure: plain data in, plain data out.
+
+NOTE [ A plan priced phase by phase ]
+Where the profile read GC's peak phase by phase (NOTE [ The backward's memory, layer by layer ]
+in profile.py), a plan's peak is priced as its highest phase, not as GC's peak plus every byte
+it keeps: before the layers' backward everything kept is alive (all of it within the headroom
+plus that phase's room); at layer k's backward the layers before k still hold their bytes and
+layer k adds only what GC does not re-create there itself -- a packed tensor's packed copy
+(``L``, a split's packed rows), nothing for what H stores (GC's recompute makes the same
+tensors) or a fast-forward (GC's recompute makes its outputs too). The knapsack's caps carry
+it: cap_k = headroom + room_k bounds the layers before k plus layer k's own bytes, the total
+is bounded by headroom + the room before the backward. A unit kept in the last layers then
+costs what GC's own recompute there already needed. Every room 0 (CUDA, an untracked profile):
+no caps, GC's peak plus every byte (the price before). The plan's check (NOTE [ The plan's
+peak, checked ] in metering.py) measures what the price predicts, and cuts it where it was
+wrong.
 """
 
 from __future__ import annotations
@@ -31,6 +46,12 @@ class Plan:
     risk: float  # estimated relative gradient error
     headroom_bytes: int  # what the budget left above GC's peak
     bound_s: float  # utility lost to discretisation at most
+    # its predicted peak above GC's (NOTE [ A plan priced phase by phase ]); None: memory_bytes
+    peak_over_gc: int | None = None
+
+    @property
+    def peak_over_gc_bytes(self) -> int:
+        return self.memory_bytes if self.peak_over_gc is None else self.peak_over_gc
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,36 +94,67 @@ def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_sha
                     else {"R": (0.0, 0, 0.0)} for c in units]
         options = []
         for combo in itertools.product(*(sorted(o) for o in per_unit)):
-            utility = memory = 0
+            utility = memory = own = 0
             danger = 0.0
             for k, (cost, action) in enumerate(zip(units, combo)):
                 u, b, share = per_unit[k][action]
                 stretch = scale * (byte_scale or {}).get(cost.kind, 1.0)
                 utility += u * scale
                 memory += math.ceil(b * stretch)
+                own += math.ceil(_packed_bytes(cost, action) * stretch)
                 if action != "R" and "R" in combo[k + 1:]:
                     memory += math.ceil(cost.ff_bytes * stretch)
                 danger += risk.risk(group_of(cost.kind, layer, n_layers), cost.rel_error, share)
             options.append(knapsack.Option({c.name: a for c, a in zip(units, combo)},
-                                           utility, memory, danger))
+                                           utility, memory, danger, min(own, memory)))
         groups.append(options)
     return groups
+
+
+def _packed_bytes(cost: UnitCost, action: str) -> float:
+    """What ``action`` adds at its own layer's backward beyond GC's recompute there: the packed
+    copies (NOTE [ A plan priced phase by phase ])."""
+    if action == "L":
+        return cost.l_bytes
+    if action == "S":
+        return cost.l_bytes * (cost.rows // 2) / cost.rows
+    return 0
 
 
 def allocate(profile: BucketProfile, risk: RiskModel, headroom_bytes: int, risk_budget: float,
              codec: bool, split_share: float = 0.5, scale: float = 1.0,
              excluded: frozenset[int] = frozenset(),
-             byte_scale: Mapping[str, float] | None = None) -> Plan:
+             byte_scale: Mapping[str, float] | None = None,
+             rooms: tuple[int, list[int]] | None = None) -> Plan:
     """The capture plan with the most utility whose memory fits ``headroom_bytes`` (the budget
     above GC's peak) and whose risk fits ``risk_budget``; ``scale`` and ``byte_scale`` as in
-    ``layer_groups``."""
+    ``layer_groups``; ``rooms``: (room before the layers' backward, room per layer position)
+    to price it phase by phase (NOTE [ A plan priced phase by phase ]), None: GC's peak plus
+    every byte kept."""
     names = [c.name for c in profile.units]
     if headroom_bytes <= 0:
         return Plan.all_r(names, headroom_bytes)
     groups = layer_groups(profile, risk, codec, split_share, scale, frozenset(excluded), byte_scale)
-    solution = knapsack.solve(groups, headroom_bytes, risk_budget)
-    actions = {}
+    caps, budget = None, headroom_bytes
+    if rooms is not None:
+        top, per_layer = rooms
+        budget, caps = headroom_bytes + top, [headroom_bytes + room for room in per_layer]
+    solution = knapsack.solve(groups, budget, risk_budget, caps=caps)
+    actions, picked = {}, []
     for group, index in zip(groups, solution.choice):
         actions.update(group[index].label)
+        picked.append(group[index])
     return Plan(actions, solution.memory, solution.utility, solution.risk, headroom_bytes,
-                solution.bound)
+                solution.bound, None if rooms is None else peak_over_gc(picked, rooms))
+
+
+def peak_over_gc(picked: list[knapsack.Option], rooms: tuple[int, list[int]]) -> int:
+    """The predicted peak of one option per layer above GC's, its highest phase (NOTE [ A plan
+    priced phase by phase ]): everything kept less the room before the backward, or at layer
+    k's backward the layers before it plus its own bytes less that layer's room."""
+    top, per_layer = rooms
+    phases, before = [sum(o.memory for o in picked) - top], 0
+    for option, room in zip(picked, per_layer):
+        phases.append(before + option.own_bytes - room)
+        before += option.memory
+    return max(phases)

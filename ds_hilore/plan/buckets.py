@@ -74,6 +74,16 @@ def priced_for_longest(bucket: Bucket, relative: bool) -> tuple[dict[str, float]
     return byte_scale, gc_peak
 
 
+def priced_rooms(bucket: Bucket) -> tuple[int, list[int]] | None:
+    """The rooms of GC's phases (NOTE [ The backward's memory, layer by layer ] in profile.py)
+    the bucket's plan is priced with: its profile's, where the plan's bytes are priced at the
+    profiled length; None (GC's peak plus every byte) where they are stretched to a longer one
+    -- a room measured at T0 is no bound at L."""
+    if any(v != 1.0 for v in (bucket.byte_scale or {}).values()):
+        return None
+    return bucket.profile.rooms()
+
+
 def kept_rows(profile: BucketProfile, kept: int, batch: int) -> BucketProfile:
     """``profile`` priced for ``kept`` of its ``batch`` sequences (NOTE [ Freed memory is
     spent ] in scheduler.py)."""

@@ -46,7 +46,7 @@ holds one gradient of the trainable decoder parameters, a validation three (exac
 plus one tensor's fp64 copy -- never every tensor's exact, planned and fp64 copies at once.
 When even that would not fit what the memory budget leaves at the optimizer step (the budget,
 less what is in use then, less the pass's own activations, bounded above by GC's microbatch
-peak over its baseline plus what the plan keeps), the decoder layers are split into
+peak over its baseline plus what the plan adds to it, as priced), the decoder layers are split into
 consecutive pieces that each fit, and every pass runs once per piece, taking the gradient of
 that piece's parameters only: each parameter's gradient comes out of the same ops whatever
 else the backward is asked for, so the squared norms, summed over pieces before the ratio,
@@ -424,7 +424,7 @@ class MatchedPasses:
             return None
         profile = bucket.profile
         activations = max(0, profile.gc_peak_bytes - profile.baseline_bytes) + \
-            (bucket.plan.memory_bytes if bucket.plan is not None else 0)
+            (bucket.plan.peak_over_gc_bytes if bucket.plan is not None else 0)
         spare = float(bucket.budget_bytes - in_use_bytes(self._device()) - activations)
         collective = self.scheduler.runtime.collective
         if collective is not None:

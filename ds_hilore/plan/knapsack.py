@@ -26,6 +26,14 @@ that upper bound: it is the real optimum, and it is returned, with ``bound`` 0. 
 what rounding up loses where the budget is nearly spent, e.g. a risk budget of 0.015 in 64
 bins and six packed units of 0.00246 each (11 bins rounded up, 66 > 64; 0.01476 exactly).
 
+Caps (optional, one per group): the memory model of a backward, where what a group keeps is
+released when its own backward has run. ``caps[g]`` bounds the bytes kept by the groups before
+``g`` plus the chosen option's ``own`` bytes (what it adds at its own backward: by default its
+whole ``memory``), while ``memory_budget`` bounds the total. Binned like the costs: prefix and
+own bytes rounded up, the cap down, so a choice that fits its bins fits its caps exactly; the
+rounded-down relaxation keeps every real solution (floor sums never exceed the real ones), so
+``bound`` keeps its meaning.
+
 Example::
 
     zero = Option(("R", "R"), 0.0, 0, 0.0)
@@ -60,12 +68,19 @@ class Option:
         utility: Seconds saved per microbatch (higher is better); may be negative.
         memory: Bytes kept alive, an int >= 0.
         risk: Estimated relative gradient error added, a finite float >= 0.
+        own: Bytes that count against the option's own group's cap (see the module's
+            docstring), an int in [0, memory]; None: ``memory``.
     """
 
     label: Any
     utility: float
     memory: int
     risk: float
+    own: int | None = None
+
+    @property
+    def own_bytes(self) -> int:
+        return self.memory if self.own is None else self.own
 
 
 @dataclass(frozen=True)
@@ -89,7 +104,8 @@ class Solution:
 
 
 def solve(groups: Sequence[Sequence[Option]], memory_budget: int, risk_budget: float,
-          memory_bins: int = 256, risk_bins: int = 64) -> Solution:
+          memory_bins: int = 256, risk_bins: int = 64,
+          caps: Sequence[int | None] | None = None) -> Solution:
     """Maximise total utility under a memory and a risk budget, one option per group.
 
     Costs are rounded up to whole bins (so the answer is feasible in the real problem); options
@@ -108,14 +124,17 @@ def solve(groups: Sequence[Sequence[Option]], memory_budget: int, risk_budget: f
         memory_bins: Number of memory bins (>= 1). An integer budget smaller than this is
             binned per byte instead, which is exact and no larger.
         risk_bins: Number of risk bins (>= 1).
+        caps: None, or one entry per group: an int >= 0 bounding the memory of the groups
+            before it plus its chosen option's ``own`` bytes, or None (no cap there).
 
     Returns:
         The :class:`Solution`: chosen indices, their exact totals and the discretisation bound.
 
     Raises:
         ValueError: A group has no zero option (the message names the group index), an option
-            or budget is malformed (negative, non-finite, non-integer memory), or a bin count
-            is below 1.
+            or budget is malformed (negative, non-finite, non-integer memory, ``own`` outside
+            [0, memory]), a cap is malformed or ``caps`` has not one entry per group, or a bin
+            count is below 1.
 
     Example::
 
@@ -124,6 +143,7 @@ def solve(groups: Sequence[Sequence[Option]], memory_budget: int, risk_budget: f
         sol.choice, sol.utility, sol.bound   # -> ((1,), 1.0, 0.0)
     """
     groups, memory_budget, risk_budget = _validate(groups, memory_budget, risk_budget)
+    caps = _validate_caps(caps, len(groups))
     for name, bins in (("memory_bins", memory_bins), ("risk_bins", risk_bins)):
         if not isinstance(bins, (int, np.integer)) or bins < 1:
             raise ValueError(f"{name} must be an int >= 1, got {bins!r}")
@@ -136,25 +156,28 @@ def solve(groups: Sequence[Sequence[Option]], memory_budget: int, risk_budget: f
     n_risk = 0 if risk_budget == 0 or math.isinf(risk_budget) else int(risk_bins)
     tol = _tolerance(groups, memory_budget, risk_budget)
 
+    cap_bins = [None if c is None else (n_mem if not memory_budget else
+                                        min(n_mem, c * n_mem // memory_budget)) for c in caps]
     up = _bin_costs(groups, memory_budget, risk_budget, n_mem, n_risk, round_up=True)
-    choice = _dp(groups, up, n_mem, n_risk, tol)
+    choice = _dp(groups, up, n_mem, n_risk, tol, cap_bins)
     best = _solution(groups, choice, bound=0.0)
 
     down = _bin_costs(groups, memory_budget, risk_budget, n_mem, n_risk, round_up=False)
     if down == up:  # every cost is a whole number of bins: the DP above was exact
         return best
-    relaxed = _solution(groups, _dp(groups, down, n_mem, n_risk, tol), bound=0.0)
-    if _fits(groups, relaxed.choice, memory_budget, risk_budget):
+    relaxed = _solution(groups, _dp(groups, down, n_mem, n_risk, tol, cap_bins), bound=0.0)
+    if _fits(groups, relaxed.choice, memory_budget, risk_budget, caps):
         return relaxed  # an upper bound of the real optimum that fits is the real optimum
     return Solution(best.choice, best.utility, best.memory, best.risk,
                     bound=max(0.0, relaxed.utility - best.utility))
 
 
 def brute_force(groups: Sequence[Sequence[Option]], memory_budget: int,
-                risk_budget: float) -> Solution:
+                risk_budget: float, caps: Sequence[int | None] | None = None) -> Solution:
     """Exact optimum by enumerating every combination (tests and tiny instances only).
 
-    Same validation and tie rule as :func:`solve`; feasibility is checked on the exact sums.
+    Same validation and tie rule as :func:`solve`; feasibility (``caps`` included) is checked
+    on the exact sums.
 
     Args:
         groups: One sequence of :class:`Option` per group, each with a zero option.
@@ -173,6 +196,7 @@ def brute_force(groups: Sequence[Sequence[Option]], memory_budget: int,
         brute_force([[zero, Option("H", 1.0, 8, 0.5)]], 10, 0.25).choice   # -> (0,)
     """
     groups, memory_budget, risk_budget = _validate(groups, memory_budget, risk_budget)
+    caps = _validate_caps(caps, len(groups))
     if math.prod(len(g) for g in groups) > _BRUTE_FORCE_LIMIT:
         raise ValueError(f"brute_force refuses more than {_BRUTE_FORCE_LIMIT} combinations")
     tol = _tolerance(groups, memory_budget, risk_budget)
@@ -180,7 +204,8 @@ def brute_force(groups: Sequence[Sequence[Option]], memory_budget: int,
     for choice in itertools.product(*(range(len(g)) for g in groups)):
         picked = [g[i] for g, i in zip(groups, choice)]
         memory = sum(o.memory for o in picked)
-        if memory > memory_budget or not _risk_fits([o.risk for o in picked], risk_budget):
+        if memory > memory_budget or not _risk_fits([o.risk for o in picked], risk_budget) \
+                or not _caps_fit(picked, caps):
             continue
         key = (_dp_order_sum([o.utility for o in picked]),
                _dp_order_sum([o.risk for o in picked]), memory)
@@ -212,6 +237,28 @@ def _validate(groups: Sequence[Sequence[Option]], memory_budget: int,
     return checked, int(memory_budget), float(risk_budget)
 
 
+def _validate_caps(caps: Sequence[int | None] | None, n_groups: int) -> list[int | None]:
+    if caps is None:
+        return [None] * n_groups
+    caps = list(caps)
+    if len(caps) != n_groups:
+        raise ValueError(f"caps has {len(caps)} entries for {n_groups} groups; one per group")
+    for g, c in enumerate(caps):
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0):
+            raise ValueError(f"caps[{g}] must be None or an int >= 0 (bytes), got {c!r}")
+    return [None if c is None else int(c) for c in caps]
+
+
+def _caps_fit(picked: Sequence[Option], caps: Sequence[int | None]) -> bool:
+    """Every group's cap holds: the memory before it plus its option's own bytes."""
+    before = 0
+    for o, cap in zip(picked, caps):
+        if cap is not None and before + o.own_bytes > cap:
+            return False
+        before += int(o.memory)
+    return True
+
+
 def _validate_option(o: Any, where: str) -> None:
     if not isinstance(o, Option):
         raise ValueError(f"{where} is not an Option: {o!r}")
@@ -221,6 +268,10 @@ def _validate_option(o: Any, where: str) -> None:
         raise ValueError(f"{where} ({o.label!r}): risk must be finite and >= 0, got {o.risk!r}")
     if not math.isfinite(o.utility):
         raise ValueError(f"{where} ({o.label!r}): utility must be finite, got {o.utility!r}")
+    if o.own is not None and (isinstance(o.own, bool) or not isinstance(o.own, (int, np.integer))
+                              or not 0 <= o.own <= o.memory):
+        raise ValueError(f"{where} ({o.label!r}): own must be None or an int in [0, memory], "
+                         f"got {o.own!r}")
 
 
 def _fits_alone(o: Option, memory_budget: int, risk_budget: float) -> bool:
@@ -242,8 +293,8 @@ def _better(u, r, m, best_u, best_r, best_m, tol):
 
 
 def _bin_costs(groups: list[list[Option]], memory_budget: int, risk_budget: float,
-               n_mem: int, n_risk: int, round_up: bool) -> list[list[tuple[int, int] | None]]:
-    """Per group and option: (memory bins, risk bins), or None for options dropped."""
+               n_mem: int, n_risk: int, round_up: bool) -> list[list[tuple[int, int, int] | None]]:
+    """Per group and option: (memory bins, risk bins, own bins), or None for options dropped."""
     costs = []
     for group in groups:
         row = []
@@ -254,38 +305,48 @@ def _bin_costs(groups: list[list[Option]], memory_budget: int, risk_budget: floa
             # Exact rational arithmetic: a float risk on the bin grid must not gain a bin (or
             # lose one, which would break feasibility) through rounding of risk * bins / budget.
             mem = Fraction(int(o.memory) * n_mem, memory_budget) if n_mem else 0
+            own = Fraction(int(o.own_bytes) * n_mem, memory_budget) if n_mem else 0
             risk = Fraction(float(o.risk)) * n_risk / Fraction(risk_budget) if n_risk else 0
             rnd = math.ceil if round_up else math.floor
-            row.append((rnd(mem), rnd(risk)))
+            row.append((rnd(mem), rnd(risk), rnd(own)))
         costs.append(row)
     return costs
 
 
-def _dp(groups: list[list[Option]], costs: list[list[tuple[int, int] | None]], n_mem: int,
-        n_risk: int, tol: float) -> tuple[int, ...]:
-    """Best choice when the chosen bins must sum to at most (n_mem, n_risk).
+def _dp(groups: list[list[Option]], costs: list[list[tuple[int, int, int] | None]], n_mem: int,
+        n_risk: int, tol: float, cap_bins: list[int | None]) -> tuple[int, ...]:
+    """Best choice when the chosen bins must sum to at most (n_mem, n_risk) and every group's
+    prefix plus own bins to at most its cap.
 
     Backward over groups, the table f[m, r] holds the best (utility, risk, memory) reachable by
     groups g.. with m memory bins and r risk bins left. Going backward lets the forward
     reconstruction from the full budget take the smallest optimal index at each group, which
-    yields the lexicographically smallest optimal choice, as brute_force does.
+    yields the lexicographically smallest optimal choice, as brute_force does. That
+    reconstruction reaches group g with the bins of the groups before it spent: n_mem - m, so
+    a cap is a lower bound on m (states below it stay -inf: never on a chosen path, since
+    all-zero, which spends nothing, fits every cap).
     """
     shape = (n_mem + 1, n_risk + 1)
     f_u, f_r, f_m = np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=np.int64)
     picks = []
-    for group, row in zip(reversed(groups), reversed(costs)):
+    for group, row, cap in zip(reversed(groups), reversed(costs), reversed(cap_bins)):
         n_u, n_r, n_m = np.full(shape, -np.inf), np.zeros(shape), np.zeros(shape, np.int64)
         pick = np.full(shape, -1, dtype=np.int32)
         for i, (o, cost) in enumerate(zip(group, row)):
             if cost is None or cost[0] > n_mem or cost[1] > n_risk:
                 continue
-            cm, cr = cost
-            # States with at least (cm, cr) left can take this option; the rest keep what they
-            # have (every state is filled by the zero option, which costs no bins).
-            src = (slice(0, n_mem + 1 - cm), slice(0, n_risk + 1 - cr))
-            dst = (slice(cm, None), slice(cr, None))
-            c_u, c_r, c_m = o.utility + f_u[src], o.risk + f_r[src], o.memory + f_m[src]
-            better = _better(c_u, c_r, c_m, n_u[dst], n_r[dst], n_m[dst], tol)
+            cm, cr, co = cost
+            # States with at least (cm, cr) left -- and, under a cap, with the bins spent before
+            # plus this option's own within it -- can take this option; without caps every
+            # state is filled by the zero option, which costs no bins.
+            low = cm if cap is None else max(cm, n_mem - cap + co)
+            if low > n_mem:
+                continue
+            src = (slice(low - cm, n_mem + 1 - cm), slice(0, n_risk + 1 - cr))
+            dst = (slice(low, None), slice(cr, None))
+            with np.errstate(invalid="ignore"):  # -inf (capped) states compare as unreachable
+                c_u, c_r, c_m = o.utility + f_u[src], o.risk + f_r[src], o.memory + f_m[src]
+                better = _better(c_u, c_r, c_m, n_u[dst], n_r[dst], n_m[dst], tol)
             for table, cand in ((n_u, c_u), (n_r, c_r), (n_m, c_m)):
                 table[dst][better] = cand[better]
             pick[dst][better] = i
@@ -310,11 +371,12 @@ def _dp_order_sum(values: Sequence[float]) -> float:
 
 
 def _fits(groups: list[list[Option]], choice: tuple[int, ...], memory_budget: int,
-          risk_budget: float) -> bool:
-    """Whether ``choice`` fits both budgets in exact arithmetic (as ``brute_force`` checks)."""
+          risk_budget: float, caps: list[int | None]) -> bool:
+    """Whether ``choice`` fits both budgets and the caps in exact arithmetic (as
+    ``brute_force`` checks)."""
     picked = [g[i] for g, i in zip(groups, choice)]
     return sum(int(o.memory) for o in picked) <= memory_budget and \
-        _risk_fits([o.risk for o in picked], risk_budget)
+        _risk_fits([o.risk for o in picked], risk_budget) and _caps_fit(picked, caps)
 
 
 def _risk_fits(risks: Sequence[float], risk_budget: float) -> bool:

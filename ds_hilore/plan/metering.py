@@ -161,13 +161,15 @@ class Metering:
         peak = self.close_profile(sample.peak_bytes)
         tracker = getattr(sample, "tracker", None)
         sample.tracker = None
+        phases = None  # NOTE [ The backward's memory, layer by layer ] in plan/profile.py
         if peak is None:  # CPU: sampled, and tracked unless its window could not open or closed early
             peak = sample.peak_bytes
             if tracker is not None and tracker.active and not tracker.frozen:
                 peak = max(peak, tracker.freeze())
+                phases = dict(tracker.phase_peaks)
         bucket = self.s.buckets[mb.plan_key]
         positions = {layer.index: k for k, layer in enumerate(self.s.runtime._layers)}
-        bucket.profiler.add(sample, positions, peak, self.baseline, self.s.steps)
+        bucket.profiler.add(sample, positions, peak, self.baseline, self.s.steps, phases)
         stats = self.s.step_stats
         stats["peak_bytes"] = max(stats["peak_bytes"] or 0, peak or 0) or None
 
@@ -181,9 +183,10 @@ class Metering:
 
     # ------------------------------------------------------------------ the plan's peak
     # NOTE [ The plan's peak, checked ]
-    # A plan is priced from the profile: GC's peak plus what it keeps. What it really peaks at
-    # can still differ (the allocator's rounding and fragmentation, a transient the profile's
-    # units do not own, a peak of the loss between units). So the first microbatch that runs a
+    # A plan is priced from the profile: GC's peak plus what it keeps (at its highest phase
+    # where the profile read GC's phases, NOTE [ A plan priced phase by phase ] in allocate.py).
+    # What it really peaks at can still differ (the allocator's rounding and fragmentation, a
+    # transient the profile's units do not own, a peak of the loss between units). So the first microbatch that runs a
     # bucket's plan (a leave-one-out's warm-up variant: the plan itself; not a microbatch
     # predicted zero and run all R: measured there, a plan's check read GC's peak, or less, and
     # passed every plan, 48-65 MiB under a 1.10 budget on ``hilore bench --model paper-cpu``) is
@@ -264,7 +267,7 @@ class Metering:
         # excess over the peak, negated (the least excess over ranks is the max of this)
         gc_peak = bucket.priced_gc_peak if bucket.priced_gc_peak is not None else math.inf
         under_gc = float(gc_peak - upper)
-        short = float(upper - (gc_peak + plan.memory_bytes))
+        short = float(upper - (gc_peak + plan.peak_over_gc_bytes))
         collective = self.s.runtime.collective
         if collective is not None:
             over, partial, under_gc, short = collective.all_reduce_max_float(
@@ -297,15 +300,18 @@ class Metering:
         self.s._plan_bucket(bucket, profiled=False)
 
     # NOTE [ Headroom a checked plan left ]
-    # A plan is priced as GC's peak plus every byte it keeps, as if all of them were alive at
-    # GC's peak. They are not always: GC peaks in the backward of the last layers, where it
-    # recomputes them, and a unit kept there (stored or packed) replaces that recompute, whose
-    # packed tensors are decoded only when its own backward asks for them. Measured on ``hilore
-    # bench --model paper-cpu`` at 1.10 (headroom 35-37 MiB): a plan packing seven units, priced
-    # at +33.3 MiB over GC's peak, peaked at +17.8; another packing seven, in other layers,
-    # priced at +35.6, peaked at +35.7; one storing three attention units whole, priced at
-    # +31.6, peaked at +21.1 in one run and +31.7 in another. So where a checked plan's price
-    # exceeds its peak by more than three margins (the margin of a cut: 1 % of the budget, at
+    # Where GC's peak was not read phase by phase (CUDA, an untracked profile), a plan is priced
+    # as GC's peak plus every byte it keeps, as if all of them were alive at GC's peak. They are
+    # not always: GC peaks in the backward of the last layers, where it recomputes them, and a
+    # unit kept there (stored or packed) replaces that recompute, whose packed tensors are
+    # decoded only when its own backward asks for them. Measured on ``hilore bench --model
+    # paper-cpu`` at 1.10 (headroom 35-37 MiB), priced that way: a plan packing seven units,
+    # priced at +33.3 MiB over GC's peak, peaked at +17.8; another packing seven, in other
+    # layers, priced at +35.6, peaked at +35.7; one storing three attention units whole, priced
+    # at +31.6, peaked at +21.1 in one run and +31.7 in another. Priced phase by phase (NOTE
+    # [ A plan priced phase by phase ] in allocate.py) the price is the plan's predicted peak
+    # and the excess smaller; what is left of it is credited the same way. So where a checked
+    # plan's price exceeds its peak by more than three margins (the margin of a cut: 1 % of the budget, at
     # least 1 MiB), the bucket's headroom gets that excess less two margins (it replaces an
     # earlier credit, the excess of the plan checked then) and the bucket is planned again --
     # with room for more kept units, and checked like any new plan: if that one peaks over the
@@ -327,7 +333,8 @@ class Metering:
         check: after MAX_PARTIAL partial ones the credit is taken back, for good, and the bucket
         planned again (NOTE [ Headroom a checked plan left ]). Whether it was."""
         plan = bucket.plan
-        if bucket.headroom_credit <= 0 or plan.memory_bytes <= plan.headroom_bytes - bucket.headroom_credit:
+        if bucket.headroom_credit <= 0 or \
+                plan.peak_over_gc_bytes <= plan.headroom_bytes - bucket.headroom_credit:
             return False
         logger.info("ds_hilore: the plan for %dx%d, made with %.1f MiB of headroom a check "
                     "found, never ran whole to be checked; planned again without it",
@@ -337,14 +344,15 @@ class Metering:
         return True
 
     def _credit(self, bucket, excess: float, margin: int) -> None:
-        """``excess``: the checked plan's price (GC's peak plus what it keeps) above its peak."""
+        """``excess``: the checked plan's price (GC's peak plus its predicted peak above it)
+        above its peak."""
         scaled = any(v != 1.0 for v in (bucket.byte_scale or {}).values())
         credit = int(excess) - 2 * margin
         if bucket.overshot or bucket.credits >= MAX_CREDITS or scaled or \
                 credit < bucket.headroom_credit + margin:
             return
         logger.info("ds_hilore: the plan for %dx%d peaked %.1f MiB under its price (GC's peak "
-                    "plus what it keeps); its headroom is raised by %.1f MiB and it is planned "
+                    "plus what it was priced to add); its headroom is raised by %.1f MiB and it is planned "
                     "again", *bucket.key, excess / 2**20, (credit - bucket.headroom_credit) / 2**20)
         bucket.headroom_credit = credit
         bucket.credits += 1
@@ -501,8 +509,15 @@ def agree(profile: BucketProfile, collective) -> BucketProfile:
     fields = ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error")
     counts = ("h_bytes", "l_bytes", "ff_bytes", "nonfinite_tensors")
     values = [getattr(u, f) for u in profile.units for f in fields + counts]
+    # the least room of each phase over ranks (NOTE [ The backward's memory, layer by layer ]
+    # in profile.py): as many on every rank, 0 where a rank read none
+    top, layers = profile.rooms() or (0, [0] * profile.n_layers())
+    rooms = [-float(top)] + [-float(r) for r in layers]
     totals = [profile.baseline_bytes, profile.seconds, profile.gc_peak_bytes]  # gc_peak_bytes last
-    values = collective.all_reduce_max_float([float(v) for v in values + totals])
+    first = len(values)
+    values = collective.all_reduce_max_float([float(v) for v in values + rooms + totals])
+    agreed = [int(-v) for v in values[first:first + len(rooms)]]
+    profile.top_room_bytes, profile.layer_room_bytes = agreed[0], agreed[1:]
     profile.baseline_bytes, profile.seconds = int(values[-3]), values[-2]  # the state saved
     k = len(fields) + len(counts)
     for i, unit in enumerate(profile.units):

@@ -31,10 +31,30 @@ needs more memory than GC on a shape it has not measured. While they run:
   on CPU ] in plan/metering.py), the max over the profiled microbatches. The trials above
   (packing, unpacking, re-deriving a tensor once more) are measurement only: the CPU reading
   pauses while they run (``_Sample.tracker``), and the profile's clock stops while it reads.
+* on CPU, GC's peak before the backward reaches the layers and in each layer's backward (NOTE
+  [ The backward's memory, layer by layer ]).
 
 The first profiled microbatch of a bucket warms up (codec compilation, allocator); the plan uses
 the median over the rest. Nothing is derived from FLOPs: on a CPU a codec can cost more than the
 recompute it saves, and must then lose.
+
+NOTE [ The backward's memory, layer by layer ]
+A kept unit is alive from its forward until its own backward has run; GC peaks where it
+recomputes, in the backward of the last layers. So a plan's peak is not GC's plus every byte it
+keeps: at the backward of layer k only the layers before k still hold theirs, and layer k's own
+H tensors replace what GC re-creates there. Measured on ``hilore bench --model paper-cpu`` (8
+layers; MiB above the microbatch's start, GC's peak 79.2 in layer 7's backward, 52.8 before the
+backward reaches the layers): layer 7 stored whole (28.9 MiB kept) peaked at 79.3, layer 0
+stored whole at 108.2; layers 4-7 packed (38 MiB) at 104.7, their own backward each 3.3 MiB
+under GC's (a packed tensor is decoded when its node runs, a recompute re-creates the whole
+layer at once). So the profile's tracked window (CPU) reads GC's peak per phase: before the
+first layer's recompute (the forward, the loss, the LM head's backward: ``None``) and from each
+layer's recompute to the next one's (``_Sample.layer_backward``); ``BucketProfile`` keeps what
+each phase leaves under GC's peak (``top_room_bytes``, ``layer_room_bytes``: the max over the
+profiled microbatches that read every phase; 0 where none did) and the allocator prices a plan at its
+highest phase (``allocate``, NOTE [ A plan priced phase by phase ] there). CUDA's peak counter
+cannot be split without resetting it (NOTE [ Shared peak counters ] in runtime/memory.py):
+there every room is 0, and a plan is priced as GC's peak plus every byte it keeps.
 
 NOTE [ Non-finite tensors ]
 Some saved tensors hold infinities by design: with a padding mask, SDPA saves an additive
@@ -142,17 +162,38 @@ class BucketProfile:
     baseline_bytes: int  # in use before the forward (weights, gradients, optimizer state)
     repeats: int  # profiled microbatches the medians come from
     seconds: float  # what profiling cost: the profiled microbatches' measuring overhead
+    # NOTE [ The backward's memory, layer by layer ]: GC's peak less its peak before the
+    # layers' backward, and in each layer's (by position); 0: not read
+    top_room_bytes: int = 0
+    layer_room_bytes: list[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": list(self.key), "gc_peak_bytes": self.gc_peak_bytes,
                 "baseline_bytes": self.baseline_bytes, "repeats": self.repeats,
-                "seconds": self.seconds, "units": [dataclasses.asdict(u) for u in self.units]}
+                "seconds": self.seconds, "top_room_bytes": self.top_room_bytes,
+                "layer_room_bytes": list(self.layer_room_bytes),
+                "units": [dataclasses.asdict(u) for u in self.units]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BucketProfile":
         return cls(key=tuple(data["key"]), units=[UnitCost(**u) for u in data["units"]],
                    gc_peak_bytes=int(data["gc_peak_bytes"]), baseline_bytes=int(data["baseline_bytes"]),
-                   repeats=int(data["repeats"]), seconds=float(data["seconds"]))
+                   repeats=int(data["repeats"]), seconds=float(data["seconds"]),
+                   top_room_bytes=int(data.get("top_room_bytes", 0)),
+                   layer_room_bytes=[int(x) for x in data.get("layer_room_bytes", [])])
+
+    def rooms(self) -> tuple[int, list[int]] | None:
+        """(room before the layers' backward, room per layer position), None where nothing was
+        read (NOTE [ The backward's memory, layer by layer ])."""
+        if not self.top_room_bytes and not any(self.layer_room_bytes):
+            return None
+        n_layers = self.n_layers() if self.units else len(self.layer_room_bytes)
+        layers = list(self.layer_room_bytes[:n_layers])
+        return self.top_room_bytes, layers + [0] * (n_layers - len(layers))
+
+    def n_layers(self) -> int:
+        """Layer positions the units span."""
+        return 1 + max((u.layer for u in self.units), default=-1)
 
 
 class _Sample:
@@ -214,6 +255,12 @@ class _Sample:
             yield
         finally:
             coordinator.fetch_sub_module = fetch
+
+    def layer_backward(self, frame) -> None:
+        """The backward recomputes ``frame``'s layer: the tracker's readings from here to the
+        next layer's recompute are that layer's (NOTE [ The backward's memory, layer by layer ])."""
+        if self.tracker is not None:
+            self.tracker.enter_phase(frame.layer.index)
 
     def unit_time(self, unit, seconds: float) -> None:
         self.costs[unit.name].recompute_s += seconds
@@ -368,6 +415,8 @@ class Profiler:
         self.key, self.repeats = key, repeats
         self.samples: list[list[UnitCost]] = []
         self.peaks: list[int | None] = []  # None: a timed sample, not metered (CPU)
+        self.phases: list[dict | None] = []  # layer position (None: before them) -> room
+        self.layers = 0  # HiLoRe's layers
         self.baselines: list[int] = []
         self.steps: list[int] = []  # the step each sample was taken in
         self.seconds = 0.0
@@ -380,9 +429,16 @@ class Profiler:
         return _Sample(units, device)
 
     def add(self, sample: _Sample, layer_positions: dict[int, int], peak: int | None, baseline: int,
-            step: int = 0) -> None:
+            step: int = 0, phases: dict | None = None) -> None:
+        """``phases``: the tracked window's peak per layer index (None: before the layers'
+        backward), where it was read; kept as what each leaves under the window's own peak."""
         self.samples.append(sample.finish(layer_positions))
         self.peaks.append(peak)
+        self.layers = len(layer_positions)
+        top = max(phases.values()) if phases and peak is not None else None
+        self.phases.append(None if top is None else
+                           {(k if k is None else layer_positions[k]): top - v
+                            for k, v in phases.items() if k is None or k in layer_positions})
         self.baselines.append(baseline)
         self.steps.append(step)
         self.seconds += sample.overhead_s
@@ -404,10 +460,24 @@ class Profiler:
             exclude_nonfinite(merged)
             units.append(merged)
         shift = [(grown or {}).get(k, 0) for k in self.steps]
+        top, layers = self._rooms(self.layers)
         return BucketProfile(self.key, units,
                              gc_peak_bytes=max(p + d for p, d in zip(self.peaks, shift) if p is not None),
                              baseline_bytes=min(b + d for b, d in zip(self.baselines, shift)),
-                             repeats=len(used), seconds=self.seconds)
+                             repeats=len(used), seconds=self.seconds, top_room_bytes=top,
+                             layer_room_bytes=layers)
+
+    def _rooms(self, n_layers: int) -> tuple[int, list[int]]:
+        """What each phase leaves under its window's peak, the least over the metered samples
+        that read every phase; all 0 where none did (NOTE [ The backward's memory, layer by
+        layer ]). A microbatch whose backward recomputed no layer (every sequence's loss
+        coefficient zero: NOTE [ Exact zeros ] in runtime/storage.py) read its whole backward
+        before the layers': it says nothing of them."""
+        keys = [None, *range(n_layers)]
+        read = [phases for p, phases in zip(self.peaks, self.phases)
+                if p is not None and phases is not None and all(k in phases for k in keys)]
+        rooms = [min(phases[k] for phases in read) if read else 0 for k in keys]
+        return rooms[0], rooms[1:]
 
 
 def _digest(rng: RngState) -> int:

@@ -34,7 +34,8 @@ import torch
 
 from ds_hilore.plan import budget as budgets
 from ds_hilore.plan.allocate import Plan, allocate
-from ds_hilore.plan.buckets import Bucket, input_shape, kept_rows, priced_for_longest, stores_all
+from ds_hilore.plan.buckets import (Bucket, input_shape, kept_rows, priced_for_longest, priced_rooms,
+                                    stores_all)
 from ds_hilore.plan.calibrate import MatchedPasses
 from ds_hilore.plan.metering import Metering, agree
 from ds_hilore.plan.profile import BucketProfile, Profiler
@@ -200,7 +201,7 @@ class Scheduler:
         if plan is None or not stores_all(bucket):
             return True
         kept = sum(c.derived_bytes for c in bucket.profile.units if plan.actions.get(c.name) == "H")
-        return plan.memory_bytes + kept > plan.headroom_bytes
+        return plan.peak_over_gc_bytes + kept > plan.headroom_bytes
 
     def expect(self, exposure: list[float] | None, step_exposure: float | None = None,
                exposed_microbatches: int | None = None) -> None:
@@ -317,7 +318,8 @@ class Scheduler:
         bucket.plan = self._broadcast(allocate(profile, self.risk, headroom, self._risk_budget(),
                                                self.runtime._codec is not None,
                                                excluded=frozenset(bucket.excluded),
-                                               byte_scale=bucket.byte_scale))
+                                               byte_scale=bucket.byte_scale,
+                                               rooms=priced_rooms(bucket)))
         mix = {a: sum(1 for x in bucket.plan.actions.values() if x == a) for a in "HLSR"}
         # said once per shape; replans (calibration, validation, leave-one-out) at DEBUG
         logger.log(logging.INFO if profiled else logging.DEBUG,
@@ -433,7 +435,8 @@ class Scheduler:
             plan = allocate(profile, self.risk.scaled(rho),
                             bucket.plan.headroom_bytes - bucket.headroom_credit, self._risk_budget(),
                             self.runtime._codec is not None, excluded=frozenset(bucket.excluded),
-                            byte_scale=bucket.byte_scale)  # NOTE [ Priced for the bucket's longest ]
+                            byte_scale=bucket.byte_scale,  # NOTE [ Priced for the bucket's longest ]
+                            rooms=priced_rooms(bucket))
             if kept >= batch and bucket.plan.risk * rho <= self._risk_budget() and \
                     bucket.plan.utility_s > plan.utility_s:
                 plan = bucket.plan

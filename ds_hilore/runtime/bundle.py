@@ -388,6 +388,8 @@ class LayerFrame:
         for unit in self.units:
             unit.rc_count = 0
         profiled = self.ctx.profile is not None
+        if profiled:  # NOTE [ The backward's memory, layer by layer ] in plan/profile.py
+            self.ctx.profile.layer_backward(self)
         replay = Replay(self.layer.module, tuple(self.calls), skip, self._recompute_pack, stop,
                         self._rerun_call if profiled else None)
         boundary = self.boundary

@@ -296,7 +296,9 @@ class PeakTracker:
 
     Attributes (bytes): ``start_bytes`` in use at ``open()``, ``peak_bytes`` the highest reading
     (less what was excluded), ``samples`` the number of readings; ``spent_s`` the seconds the
-    readings took (a clock can leave them out).
+    readings took (a clock can leave them out); ``phase`` a label the caller sets (None at
+    ``open()``) and ``phase_peaks`` the highest reading under each label, e.g. per layer's
+    backward (NOTE [ The backward's memory, layer by layer ] in plan/profile.py).
 
     Example::
 
@@ -317,6 +319,8 @@ class PeakTracker:
         self.spent_s = 0.0
         self.frozen = False
         self.excluded = 0  # bytes left out of every reading
+        self.phase = None
+        self.phase_peaks: dict = {}
         self._paused = 0
         self._mode: _SampleAfterEachOp | None = None
         self._thread = threading.get_ident()
@@ -335,6 +339,7 @@ class PeakTracker:
         _warm_up_dispatch_modes()
         self.start_bytes = self.peak_bytes = in_use_bytes(self.device)
         self.samples, self.spent_s, self.frozen, self.excluded = 0, 0.0, False, 0
+        self.phase, self.phase_peaks = None, {None: self.start_bytes}
         self._mode = _SampleAfterEachOp(self)
         _push_at_bottom(self._mode)
         _OPEN.append(self)
@@ -344,7 +349,9 @@ class PeakTracker:
         if self._paused or self.frozen:
             return
         begin = time.perf_counter()
-        self.peak_bytes = max(self.peak_bytes, in_use_bytes(self.device) - self.excluded)
+        reading = in_use_bytes(self.device) - self.excluded
+        self.peak_bytes = max(self.peak_bytes, reading)
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), reading)
         self.samples += 1
         self.spent_s += time.perf_counter() - begin
 
@@ -365,6 +372,13 @@ class PeakTracker:
 
     def exclude(self, nbytes: int) -> None:
         self.excluded += max(0, int(nbytes))
+
+    def enter_phase(self, phase) -> None:
+        """Readings from now on count under ``phase`` too (the last one's ends with a reading)."""
+        if self.phase != phase and not self.frozen:
+            self.sample()
+            self.phase = phase
+            self.sample()
 
     def close(self) -> bool:
         """Take the mode off this thread's stack; False (still on, frozen) where it cannot be."""
