@@ -420,8 +420,8 @@ def _profile_table(report: dict) -> str:
     over = plan.get("peak_over_gc")  # NOTE [ A plan priced phase by phase ] in plan/allocate.py
     peak = "" if over is None else f", its peak priced {over / MIB:.2f} MiB over GC's"
     lines.append(f"plan: {mix['H']} H, {mix['L']} L, {mix['S']} S, {mix['R']} R; kept "
-                 f"{plan['memory_bytes'] / MIB:.2f} MiB{peak}, {max(plan['headroom_bytes'], 0) / MIB:.2f} "
-                 f"MiB headroom; saves {plan['utility_s'] * 1e3:.1f} ms per microbatch against all-R; "
+                 f"{plan['memory_bytes'] / MIB:.2f} MiB{peak}, "
+                 f"{max(plan['headroom_bytes'], 0) / MIB:.2f} MiB headroom; saves {plan['utility_s'] * 1e3:.1f} ms per microbatch against all-R; "
                  f"estimated error {plan['risk']:.4f} (risk budget {plan['risk_budget']:.4f})")
     sus = report["susceptibility"]
     groups = ", ".join(f"{g} {s:.3f} ({len(sus['samples'].get(g, []))})" for g, s in sus["groups"].items())

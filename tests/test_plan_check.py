@@ -1,7 +1,7 @@
 """The check of a plan's peak (NOTE [ The plan's peak, checked ] and NOTE [ Headroom a checked
 plan left ] in plan/metering.py), on CPU with real models and op-level windows: a microbatch
-run in part checks a plan without passing it, one that runs it whole passes it; a plan whose price (GC's peak plus what it was priced to add) exceeds its peak well
-gives its bucket the excess (less two margins) as headroom; plans re-solved per microbatch
+run in part checks a plan without passing it, one that runs it whole passes it; a plan whose
+price (GC's peak plus what it was priced to add) exceeds its peak well gives its bucket the excess (less two margins) as headroom; plans re-solved per microbatch
 stay within the headroom without it.
 
 No timing enters an assertion: the profile's times are fixed (``equal_utilities``)."""

@@ -74,14 +74,18 @@ def priced_for_longest(bucket: Bucket, relative: bool) -> tuple[dict[str, float]
     return byte_scale, gc_peak
 
 
+def stretched(bucket: Bucket) -> bool:
+    """The plan's bytes are priced for a length longer than the profiled one (NOTE [ Priced for
+    the bucket's longest ])."""
+    return any(v != 1.0 for v in (bucket.byte_scale or {}).values())
+
+
 def priced_rooms(bucket: Bucket) -> tuple[int, list[int]] | None:
     """The rooms of GC's phases (NOTE [ The backward's memory, layer by layer ] in profile.py)
     the bucket's plan is priced with: its profile's, where the plan's bytes are priced at the
     profiled length; None (GC's peak plus every byte) where they are stretched to a longer one
     -- a room measured at T0 is no bound at L."""
-    if any(v != 1.0 for v in (bucket.byte_scale or {}).values()):
-        return None
-    return bucket.profile.rooms()
+    return None if stretched(bucket) else bucket.profile.rooms()
 
 
 def kept_rows(profile: BucketProfile, kept: int, batch: int) -> BucketProfile:

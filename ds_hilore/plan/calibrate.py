@@ -46,8 +46,8 @@ holds one gradient of the trainable decoder parameters, a validation three (exac
 plus one tensor's fp64 copy -- never every tensor's exact, planned and fp64 copies at once.
 When even that would not fit what the memory budget leaves at the optimizer step (the budget,
 less what is in use then, less the pass's own activations, bounded above by GC's microbatch
-peak over its baseline plus what the plan adds to it, as priced), the decoder layers are split into
-consecutive pieces that each fit, and every pass runs once per piece, taking the gradient of
+peak over its baseline plus what the plan adds to it, as priced), the decoder layers are split
+into consecutive pieces that each fit, and every pass runs once per piece, taking the gradient of
 that piece's parameters only: each parameter's gradient comes out of the same ops whatever
 else the backward is asked for, so the squared norms, summed over pieces before the ratio,
 differ from one piece's by fp64 rounding only. A layer is the smallest piece (said once when

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from ds_hilore.plan import budget as budgets
+from ds_hilore.plan.buckets import stretched
 from ds_hilore.plan.profile import BucketProfile, exclude_nonfinite
 from ds_hilore.runtime.memory import DevicePeak, PeakTracker, in_use_bytes
 
@@ -186,8 +187,9 @@ class Metering:
     # A plan is priced from the profile: GC's peak plus what it keeps (at its highest phase
     # where the profile read GC's phases, NOTE [ A plan priced phase by phase ] in allocate.py).
     # What it really peaks at can still differ (the allocator's rounding and fragmentation, a
-    # transient the profile's units do not own, a peak of the loss between units). So the first microbatch that runs a
-    # bucket's plan (a leave-one-out's warm-up variant: the plan itself; not a microbatch
+    # transient the profile's units do not own, a peak of the loss between units). So the
+    # first microbatch that runs a bucket's plan (a leave-one-out's warm-up variant: the plan
+    # itself; not a microbatch
     # predicted zero and run all R: measured there, a plan's check read GC's peak, or less, and
     # passed every plan, 48-65 MiB under a 1.10 budget on ``hilore bench --model paper-cpu``) is
     # measured as the profile's GC peak was, from its forward to the end of its backward: a
@@ -311,8 +313,8 @@ class Metering:
     # at +31.6, peaked at +21.1 in one run and +31.7 in another. Priced phase by phase (NOTE
     # [ A plan priced phase by phase ] in allocate.py) the price is the plan's predicted peak
     # and the excess smaller; what is left of it is credited the same way. So where a checked
-    # plan's price exceeds its peak by more than three margins (the margin of a cut: 1 % of the budget, at
-    # least 1 MiB), the bucket's headroom gets that excess less two margins (it replaces an
+    # plan's price exceeds its peak by more than three margins (the margin of a cut: 1 % of the
+    # budget, at least 1 MiB), the bucket's headroom gets that excess less two margins (it replaces an
     # earlier credit, the excess of the plan checked then) and the bucket is planned again --
     # with room for more kept units, and checked like any new plan: if that one peaks over the
     # budget, the cut above takes it back and no credit is given again. At most two credits per
@@ -346,14 +348,13 @@ class Metering:
     def _credit(self, bucket, excess: float, margin: int) -> None:
         """``excess``: the checked plan's price (GC's peak plus its predicted peak above it)
         above its peak."""
-        scaled = any(v != 1.0 for v in (bucket.byte_scale or {}).values())
         credit = int(excess) - 2 * margin
-        if bucket.overshot or bucket.credits >= MAX_CREDITS or scaled or \
+        if bucket.overshot or bucket.credits >= MAX_CREDITS or stretched(bucket) or \
                 credit < bucket.headroom_credit + margin:
             return
         logger.info("ds_hilore: the plan for %dx%d peaked %.1f MiB under its price (GC's peak "
-                    "plus what it was priced to add); its headroom is raised by %.1f MiB and it is planned "
-                    "again", *bucket.key, excess / 2**20, (credit - bucket.headroom_credit) / 2**20)
+                    "plus what it was priced to add); its headroom is raised by %.1f MiB and it "
+                    "is planned again", *bucket.key, excess / 2**20, (credit - bucket.headroom_credit) / 2**20)
         bucket.headroom_credit = credit
         bucket.credits += 1
         self.s._plan_bucket(bucket, profiled=False)

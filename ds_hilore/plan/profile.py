@@ -50,9 +50,9 @@ under GC's (a packed tensor is decoded when its node runs, a recompute re-create
 layer at once). So the profile's tracked window (CPU) reads GC's peak per phase: before the
 first layer's recompute (the forward, the loss, the LM head's backward: ``None``) and from each
 layer's recompute to the next one's (``_Sample.layer_backward``); ``BucketProfile`` keeps what
-each phase leaves under GC's peak (``top_room_bytes``, ``layer_room_bytes``: the max over the
-profiled microbatches that read every phase; 0 where none did) and the allocator prices a plan at its
-highest phase (``allocate``, NOTE [ A plan priced phase by phase ] there). CUDA's peak counter
+each phase leaves under GC's peak (``top_room_bytes``, ``layer_room_bytes``: the least over
+the profiled microbatches that read every phase; 0 where none did) and the allocator prices a
+plan at its highest phase (``allocate``, NOTE [ A plan priced phase by phase ] there). CUDA's peak counter
 cannot be split without resetting it (NOTE [ Shared peak counters ] in runtime/memory.py):
 there every room is 0, and a plan is priced as GC's peak plus every byte it keeps.
 
