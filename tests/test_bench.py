@@ -76,6 +76,23 @@ def test_schema_and_every_method(bench):
         assert not _runs(report, name)[0]["skipped"], name
 
 
+def test_error_budget_reaches_every_allocator(bench):
+    """--grad-error-tolerance is the config's for every HiLoRe allocator (the default when not
+    given, said in the report); the table prints it."""
+    from ds_hilore.config import HiLoReConfig
+
+    report, _ = bench
+    default = HiLoReConfig().grad_error_tolerance
+    assert report["config"]["grad_error_tolerance"] == default
+    assert f"(grad_error_tolerance): {default:g}" in report_module.table(report)
+    config = dict(report["config"], budget=1.1, grad_error_tolerance=0.004)
+    for name in ("static", "hr", "hilore"):
+        block = METHODS[name].hilore_config(config)
+        assert HiLoReConfig(**block).grad_error_tolerance == 0.004, name
+        allocators = [run for run in _runs(report, name) if run["allocator"]]
+        assert allocators and all(r["allocator"]["risk_budget"] <= default for r in allocators)
+
+
 def test_memory_and_budgets(bench):
     report, _ = bench
     nogc, gc = _runs(report, "nogc")[0], _runs(report, "gc")[0]
@@ -459,6 +476,7 @@ def test_grpo_data_filtered_variant_drops_every_zero_advantage():
     (["--rounds", "zero"], ["--rounds", "allowed", "auto"]),
     (["--clip-share", "1.5"], ["--clip-share 1.5", "allowed", "between 0 and 1"]),
     (["--drop-zero-advantage", "--zero-adv-share", "1"], ["--zero-adv-share", "allowed"]),
+    (["--grad-error-tolerance", "1.5"], ["--grad-error-tolerance 1.5", "allowed", "0 <= X < 1"]),
     (["--no-model"], ["--model is required", "--report"]),
     (["--report", "/nonexistent/b.json"], ["--report", "not a readable hilore bench report"]),
 ])

@@ -202,6 +202,8 @@ class HiLoRe(Method):
         block = {"codec_backend": config["codec_backend"]}
         if self.budgeted:
             block["memory_budget"] = float(config["budget"])
+        if config.get("grad_error_tolerance") is not None:
+            block["grad_error_tolerance"] = float(config["grad_error_tolerance"])
         block.update(self.overrides)
         return block
 

@@ -73,6 +73,12 @@ class BenchError(Exception):
     """A flag value the bench cannot run with; one line naming the flag and what is allowed."""
 
 
+def _default_tolerance() -> float:
+    from ds_hilore.config import HiLoReConfig
+
+    return HiLoReConfig.model_fields["grad_error_tolerance"].default
+
+
 def parse_budgets(text: str) -> list[float]:
     try:
         budgets = [float(x) for x in text.split(",") if x.strip()]
@@ -155,6 +161,10 @@ def check_args(args) -> dict[str, Any]:
         raise BenchError(f"--layers {args.layers}: must be >= 1")
     if args.max_minutes is not None and not args.max_minutes > 0:
         raise BenchError(f"--max-minutes {args.max_minutes}: allowed: minutes > 0")
+    tolerance = getattr(args, "grad_error_tolerance", None)
+    if tolerance is not None and not 0.0 <= tolerance < 1.0:
+        raise BenchError(f"--grad-error-tolerance {tolerance:g}: allowed: 0 <= X < 1 (the "
+                         "relative error packing may add to a step's gradient)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device here; allowed: cpu")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -163,7 +173,8 @@ def check_args(args) -> dict[str, Any]:
             "rounds": parse_rounds(args.rounds), "max_minutes": args.max_minutes,
             "layers": args.layers, "full": bool(args.full), "dtype": args.dtype, "device": device,
             "lora_r": None if args.full else args.lora_r, "codec_backend": args.codec_backend,
-            "seed": args.seed, "batches": 2, "ds_init": bool(getattr(args, "ds_init", False)),
+            "seed": args.seed, "batches": 2,
+            "grad_error_tolerance": _default_tolerance() if tolerance is None else tolerance, "ds_init": bool(getattr(args, "ds_init", False)),
             "strict": bool(getattr(args, "strict", False))}
 
 
@@ -195,6 +206,10 @@ def add_arguments(parser) -> None:
                              f"(default {d['clip_share']})")
     parser.add_argument("--drop-zero-advantage", action="store_true",
                         help="the filtered variant: A = 0 completions dropped before the update")
+    parser.add_argument("--grad-error-tolerance", metavar="X", type=float, default=None,
+                        help="the HiLoRe allocators' error budget (the ds_config's "
+                             "grad_error_tolerance, 0 <= X < 1; default: its default, "
+                             f"{_default_tolerance()})")
     parser.add_argument("--budgets", default="1.05,1.10,1.20",
                         help="memory budgets, multiples of GC's peak >= 1.0 (default 1.05,1.10,1.20)")
     parser.add_argument("--methods", default=None,

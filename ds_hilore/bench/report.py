@@ -114,6 +114,10 @@ def table(report) -> str:
             f"{gap:>6} {r['cpu_s']['median']:>6.2f} {rf:>9} | {mix}")
     lines.append(f"GC peak {gc_peak / MiB:.1f} MiB (whole process); HiLoRe profiling + calibration "
                  f"+ leave-one-out (not in the timed steps): {report['profile_s']:.2f} s")
+    tolerance = report.get("config", {}).get("grad_error_tolerance")
+    if tolerance is not None:  # reports written before the flag do not say
+        lines.append(f"HiLoRe's error budget (grad_error_tolerance): {tolerance:g} of the step's "
+                     "gradient")
     for line in (_regime_line(report), _stop_line(report)):
         if line:
             lines.append(line)
