@@ -85,6 +85,9 @@ def test_error_budget_reaches_every_allocator(bench):
     default = HiLoReConfig().grad_error_tolerance
     assert report["config"]["grad_error_tolerance"] == default
     assert f"(grad_error_tolerance): {default:g}" in report_module.table(report)
+    assert report_module._tolerance_note(report["config"]) == ""  # the plot's title: default
+    assert report_module._tolerance_note({"grad_error_tolerance": 0.004}) == \
+        ", grad_error_tolerance 0.004"
     config = dict(report["config"], budget=1.1, grad_error_tolerance=0.004)
     for name in ("static", "hr", "hilore"):
         block = METHODS[name].hilore_config(config)

@@ -179,6 +179,15 @@ def _paired_panel(ax, report, methods) -> None:
     ax.set_xlabel("speed vs GC, paired (median, 95 % CI); > 1: faster")
 
 
+def _tolerance_note(cfg) -> str:
+    """", grad_error_tolerance X" where a report's error budget is not HiLoRe's default."""
+    from ds_hilore.config import HiLoReConfig
+
+    tolerance = cfg.get("grad_error_tolerance")
+    default = HiLoReConfig.model_fields["grad_error_tolerance"].default
+    return "" if tolerance is None or tolerance == default else f", grad_error_tolerance {tolerance:g}"
+
+
 def plot(report, path: str) -> None:
     import matplotlib
 
@@ -192,7 +201,8 @@ def plot(report, path: str) -> None:
     cfg = report["config"]
     fig.suptitle(f"{cfg['model']}, {cfg['micro_batch']}x{cfg['seq_len']}"
                  f"{' x' + str(cfg['grad_accum']) if cfg.get('grad_accum') else ''}, {cfg['dtype']}, "
-                 f"{cfg['device']}, {len(report.get('rounds', []))} paired rounds", fontsize=10)
+                 f"{cfg['device']}, {len(report.get('rounds', []))} paired rounds"
+                 f"{_tolerance_note(cfg)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
