@@ -330,6 +330,20 @@ def _paired_report(shifts: dict[str, list[float]], loads: list[float], peaks: di
     return {"gc_peak_bytes": 100, "rounds": rounds, "runs": [row(name) for name in peaks]}
 
 
+def test_a_rival_is_in_budget_only_within_the_runs_error_budget():
+    """A rival whose step error passes the run's --grad-error-tolerance (tighter than the
+    0.010 target) is not in budget: HiLoRe is held to that tolerance, so is a rival."""
+    report = _fake_report(shift_gc=1.10, shift_static=1.0, n=10)
+    next(r for r in report["runs"] if r["method"] == "static")["grad_err"] = {"mean": 0.006,
+                                                                              "max": 0.006}
+    for tolerance, kept in ((None, True), (0.015, True), (0.008, True), (0.005, False)):
+        if tolerance is not None:
+            report["config"] = {"grad_error_tolerance": tolerance}
+        (v,) = targets.targets(report)
+        assert ("static@1.1" in {r["run"] for r in v["rivals"]}) is kept, tolerance
+        assert targets.rival_tolerance(report) == min(0.010, tolerance or 0.010)
+
+
 def test_best_rival_is_the_closest_by_paired_rounds_not_the_fastest_median():
     # seven rounds of rising load; hr is 5 % slower than hilore in every round, block_h 20 %
     # slower except in the middle round, which puts block_h's median step below hr's

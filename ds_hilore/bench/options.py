@@ -174,7 +174,8 @@ def check_args(args) -> dict[str, Any]:
             "layers": args.layers, "full": bool(args.full), "dtype": args.dtype, "device": device,
             "lora_r": None if args.full else args.lora_r, "codec_backend": args.codec_backend,
             "seed": args.seed, "batches": 2,
-            "grad_error_tolerance": _default_tolerance() if tolerance is None else tolerance, "ds_init": bool(getattr(args, "ds_init", False)),
+            "grad_error_tolerance": _default_tolerance() if tolerance is None else tolerance,
+            "ds_init": bool(getattr(args, "ds_init", False)),
             "strict": bool(getattr(args, "strict", False))}
 
 

@@ -215,7 +215,7 @@ def across_runs(reports: list[dict], names: list[str]) -> str:
     lines = [f"{n} runs, each compared over its own paired rounds (wall clock): the median ratio",
              "of the rival's step time over hilore's, the 95 % CI of the run's signed-rank test;",
              "'over budget': the rival's peak or error was outside hilore's budget in that run"]
-    lines += [f"  run {i + 1}: {name} ({len(r.get('rounds', []))} rounds)"
+    lines += [f"  run {i + 1}: {name} ({len(r.get('rounds', []))} rounds{_tolerance_note(r.get('config', {}))})"
               for i, (name, r) in enumerate(zip(names, reports))]
     mine = list(dict.fromkeys(label(row) for r in reports for row in r["runs"]
                               if row["method"] == "hilore" and row.get("step_s")))

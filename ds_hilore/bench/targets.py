@@ -29,7 +29,7 @@ from typing import Any
 from ds_hilore.bench import paired
 
 __all__ = ["ERROR_TOLERANCE", "FLOPS_AVOIDED", "GAP_CLOSED", "best_rival", "contenders", "decisive",
-           "label", "samples", "standing", "targets", "targets_text", "timed"]
+           "label", "rival_tolerance", "samples", "standing", "targets", "targets_text", "timed"]
 
 ERROR_TOLERANCE = 0.010
 FLOPS_AVOIDED = 0.40  # the paper: recompute time -42.8 % at 1.10x
@@ -57,6 +57,14 @@ def _three(report, me: str, metric: str) -> tuple[list, list, list]:
     return [r[me] for r in rows], [r["gc"] for r in rows], [r["nogc"] for r in rows]
 
 
+def rival_tolerance(report) -> float:
+    """The step error a rival may have and still count as in budget: the error target, or the
+    run's own error budget (``--grad-error-tolerance``) where that is tighter -- HiLoRe is held
+    to it, so a rival is too."""
+    tolerance = report.get("config", {}).get("grad_error_tolerance")
+    return ERROR_TOLERANCE if tolerance is None else min(ERROR_TOLERANCE, tolerance)
+
+
 def _in_budget(report, me: dict[str, Any]) -> list[dict[str, Any]]:
     budget, gc_peak = me["budget"], report["gc_peak_bytes"]
     out = []
@@ -65,7 +73,7 @@ def _in_budget(report, me: dict[str, Any]) -> list[dict[str, Any]]:
             continue  # budgeted rivals: their run for this budget
         if not other.get("step_s") or other["peak_bytes"] > budget * gc_peak:
             continue
-        if other.get("grad_err") and other["grad_err"]["mean"] > ERROR_TOLERANCE:
+        if other.get("grad_err") and other["grad_err"]["mean"] > rival_tolerance(report):
             continue
         out.append(other)
     return out
