@@ -24,7 +24,7 @@ ROUNDS = 3
 EXACT = ("nogc", "gc", "sac", "block_h", "hr", "hilore_all_r", "hilore_all_h")
 RUN_KEYS = {"method", "budget", "tokens_per_s", "peak_bytes", "activation_peak_bytes",
             "within_budget", "grad_err", "grad_err_microbatch", "plan_mix", "gap_closed", "cpu_s",
-            "recomputed_flops", "skipped", "vs_gc", "timed_as"}
+            "recomputed_flops", "skipped", "vs_gc", "timed_as", "plans"}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,22 @@ def test_schema_and_every_method(bench):
         assert ds_ac["grad_err"]["max"] == 0.0
     for name in ("nogc", "gc", "sac", "block_h", "all_l", "static", "hr", "hilore"):
         assert not _runs(report, name)[0]["skipped"], name
+
+
+def test_plans_name_every_unit(bench):
+    """Each allocator run's JSON holds its plan per shape bucket, unit by unit: every unit of the
+    model, H/L/S/R only, no packing under hr; runs without an allocator hold none."""
+    report, _ = bench
+    units = {f"model.layers.{i}.{kind}" for i in range(2) for kind in ("attn", "mlp")}  # tiny
+    for name in ("static", "hr", "hilore"):
+        (row,) = _runs(report, name)
+        assert row["plans"], name
+        for bucket, actions in row["plans"].items():
+            assert set(actions) == units and set(actions.values()) <= set("HLSR"), (name, bucket)
+            if name == "hr":
+                assert not set(actions.values()) & set("LS")
+    for name in ("nogc", "gc", "all_l", "hilore_all_r"):
+        assert _runs(report, name)[0]["plans"] is None, name
 
 
 def test_error_budget_reaches_every_allocator(bench):

@@ -217,7 +217,18 @@ def _one_round(live: list[Run], index: int, data, step_index: int) -> dict[str, 
         record["cpu_s"][run.label] = run.cpu_s[index] = time.process_time() - c0
         if run.context.runtime is not None:
             run.stats = run.context.runtime.stats
+            run.plans = bucket_plans(run.context.runtime)
     return record
+
+
+def bucket_plans(runtime) -> dict[str, dict[str, str]] | None:
+    """The allocator's plan of every shape bucket, "BxT" -> unit -> action (what a step's mix
+    counts, unit by unit); None without an allocator."""
+    policy = getattr(runtime, "policy", None)
+    if policy is None:
+        return None
+    return {"x".join(map(str, key)): dict(bucket.plan.actions)
+            for key, bucket in policy.buckets.items() if bucket.plan is not None}
 
 
 def _rounds(live, steps, config, begin: float, provisional) -> tuple[list[dict], dict]:

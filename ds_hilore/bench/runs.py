@@ -45,6 +45,7 @@ class Run:
     grad_errs_micro: list[float] = dataclasses.field(default_factory=list)  # per microbatch
     microbatch_flops: list[int] | None = None  # fwd + bwd FLOPs of each microbatch of one step
     stats: dict[str, Any] | None = None
+    plans: dict[str, dict[str, str]] | None = None  # shape bucket -> unit -> planned action
     note: str | None = None
     copy_of: Run | None = None  # all_l: measured once, reported per budget
     calibration_seen: list = dataclasses.field(default_factory=list)

@@ -41,7 +41,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 def _empty_row(row: dict[str, Any], reason: str) -> dict[str, Any]:
     row.update({k: None for k in ("tokens_per_s", "peak_bytes", "activation_peak_bytes",
                                   "within_budget", "grad_err", "grad_err_microbatch", "plan_mix",
-                                  "gap_closed", "cpu_s", "recomputed_flops", "vs_gc")})
+                                  "plans", "gap_closed", "cpu_s", "recomputed_flops", "vs_gc")})
     row["skipped"] = reason
     return row
 
@@ -76,6 +76,8 @@ def _row(run, gc_peak: int, tokens: dict[int, int], nogc_flops) -> dict[str, Any
         "grad_err_microbatch": ({"mean": statistics.fmean(src.grad_errs_micro),
                                  "max": max(src.grad_errs_micro)} if src.grad_errs_micro else None),
         "plan_mix": ({a: n for a, n in stats.get("actions", {}).items() if n} if src.stats else None),
+        # the allocator's plan per shape bucket, unit by unit (before any per-microbatch change)
+        "plans": src.plans,
         # per step: bytes held per action (L: packed, each unpacked once in the backward), codec time
         "held_bytes": ({a: n for a, n in stats.get("bytes", {}).items() if n} if src.stats else None),
         "pack_s": stats.get("pack_s") if src.stats else None,
