@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ds_hilore.bench.methods import METHODS
+from ds_hilore.bench.targets import default_tolerance
 
 __all__ = ["DEFAULT_METHODS", "PRESETS", "SHAPES", "BenchError", "add_arguments", "check_args",
            "add_run_arguments", "parse_budgets", "parse_methods", "parse_rounds"]
@@ -71,12 +72,6 @@ MAX_ROUNDS = 200  # --rounds auto stops here at the latest
 
 class BenchError(Exception):
     """A flag value the bench cannot run with; one line naming the flag and what is allowed."""
-
-
-def _default_tolerance() -> float:
-    from ds_hilore.config import HiLoReConfig
-
-    return HiLoReConfig.model_fields["grad_error_tolerance"].default
 
 
 def parse_budgets(text: str) -> list[float]:
@@ -174,7 +169,7 @@ def check_args(args) -> dict[str, Any]:
             "layers": args.layers, "full": bool(args.full), "dtype": args.dtype, "device": device,
             "lora_r": None if args.full else args.lora_r, "codec_backend": args.codec_backend,
             "seed": args.seed, "batches": 2,
-            "grad_error_tolerance": _default_tolerance() if tolerance is None else tolerance,
+            "grad_error_tolerance": default_tolerance() if tolerance is None else tolerance,
             "ds_init": bool(getattr(args, "ds_init", False)),
             "strict": bool(getattr(args, "strict", False))}
 
@@ -210,7 +205,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--grad-error-tolerance", metavar="X", type=float, default=None,
                         help="the HiLoRe allocators' error budget (the ds_config's "
                              "grad_error_tolerance, 0 <= X < 1; default: its default, "
-                             f"{_default_tolerance()})")
+                             f"{default_tolerance()})")
     parser.add_argument("--budgets", default="1.05,1.10,1.20",
                         help="memory budgets, multiples of GC's peak >= 1.0 (default 1.05,1.10,1.20)")
     parser.add_argument("--methods", default=None,

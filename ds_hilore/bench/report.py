@@ -19,7 +19,8 @@ import json
 import sys
 
 from ds_hilore.bench import paired
-from ds_hilore.bench.targets import label, samples, targets, targets_text, timed
+from ds_hilore.bench.targets import (default_tolerance, label, samples, targets, targets_text,
+                                    timed)
 
 __all__ = ["BenchReportError", "across_runs", "efficiency", "overlaps", "plot", "show", "table"]
 
@@ -181,11 +182,9 @@ def _paired_panel(ax, report, methods) -> None:
 
 def _tolerance_note(cfg) -> str:
     """", grad_error_tolerance X" where a report's error budget is not HiLoRe's default."""
-    from ds_hilore.config import HiLoReConfig
-
     tolerance = cfg.get("grad_error_tolerance")
-    default = HiLoReConfig.model_fields["grad_error_tolerance"].default
-    return "" if tolerance is None or tolerance == default else f", grad_error_tolerance {tolerance:g}"
+    return ("" if tolerance is None or tolerance == default_tolerance()
+            else f", grad_error_tolerance {tolerance:g}")
 
 
 def plot(report, path: str) -> None:
@@ -215,8 +214,8 @@ def across_runs(reports: list[dict], names: list[str]) -> str:
     lines = [f"{n} runs, each compared over its own paired rounds (wall clock): the median ratio",
              "of the rival's step time over hilore's, the 95 % CI of the run's signed-rank test;",
              "'over budget': the rival's peak or error was outside hilore's budget in that run"]
-    lines += [f"  run {i + 1}: {name} ({len(r.get('rounds', []))} rounds{_tolerance_note(r.get('config', {}))})"
-              for i, (name, r) in enumerate(zip(names, reports))]
+    lines += [f"  run {i + 1}: {name} ({len(r.get('rounds', []))} rounds"
+              f"{_tolerance_note(r.get('config', {}))})" for i, (name, r) in enumerate(zip(names, reports))]
     mine = list(dict.fromkeys(label(row) for r in reports for row in r["runs"]
                               if row["method"] == "hilore" and row.get("step_s")))
     rivals = list(dict.fromkeys(label(row) for r in reports for row in r["runs"]

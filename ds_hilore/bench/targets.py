@@ -29,7 +29,7 @@ from typing import Any
 from ds_hilore.bench import paired
 
 __all__ = ["ERROR_TOLERANCE", "FLOPS_AVOIDED", "GAP_CLOSED", "best_rival", "contenders", "decisive",
-           "label", "rival_tolerance", "samples", "standing", "targets", "targets_text", "timed"]
+           "default_tolerance", "label", "rival_tolerance", "samples", "standing", "targets", "targets_text", "timed"]
 
 ERROR_TOLERANCE = 0.010
 FLOPS_AVOIDED = 0.40  # the paper: recompute time -42.8 % at 1.10x
@@ -55,6 +55,14 @@ def _three(report, me: str, metric: str) -> tuple[list, list, list]:
     keys = ("gc", "nogc")
     rows = [r[metric] for r in report.get("rounds", []) if all(k in r[metric] for k in (me, *keys))]
     return [r[me] for r in rows], [r["gc"] for r in rows], [r["nogc"] for r in rows]
+
+
+def default_tolerance() -> float:
+    """HiLoRe's default ``grad_error_tolerance``: the bench's when ``--grad-error-tolerance``
+    is not given."""
+    from ds_hilore.config import HiLoReConfig
+
+    return HiLoReConfig.model_fields["grad_error_tolerance"].default
 
 
 def rival_tolerance(report) -> float:
