@@ -114,6 +114,69 @@ def test_a_layer_that_keeps_state_across_calls_is_refused_with_its_class():
     assert "CountingBlock" in str(err.value) and "state across calls" in str(err.value)
 
 
+_CALLS = [0]
+
+
+@torch.library.custom_op("hilore_test::fused_attn", mutates_args=())
+def _fused_attn(q: torch.Tensor, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's fused attention in miniature: an output and a philox-like RNG state, which,
+    without dropout, is left uninitialised (here: different on every call)."""
+    _CALLS[0] += 1
+    return q.tanh(), torch.full((2,), _CALLS[0], dtype=torch.long)
+
+
+@_fused_attn.register_fake
+def _(q, dropout_p):
+    return torch.empty_like(q), q.new_empty((2,), dtype=torch.long)
+
+
+class _FusedAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, dropout_p):
+        out, state = torch.ops.hilore_test.fused_attn(q, dropout_p)
+        ctx.save_for_backward(out, state)  # as the kernels do: the state goes to the backward
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, _ = ctx.saved_tensors
+        return grad * (1 - out * out), None
+
+
+class FusedAttnBlock(nn.Module):
+    def __init__(self, dropout_p, d=8):
+        super().__init__()
+        self.dropout_p = dropout_p
+        self.q = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        x = x + _FusedAttn.apply(self.q(x), self.dropout_p)
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("plan", ["H", "R"])
+def test_rng_state_of_a_dropout_free_kernel_is_not_compared(plan):
+    # CUDA's flash / memory-efficient attention save a philox seed and offset that, without
+    # dropout, nothing reads and nobody initialises: discovery refused every layer on CUDA
+    torch.manual_seed(0)
+    model = nn.Sequential(FusedAttnBlock(0.0), FusedAttnBlock(0.0)).train()
+    x = torch.randn(3, 5, 8)
+    ref = _grads(model, x)
+    ds_hilore.attach(model, dict(EXACT, layer_pattern="[0-9]", force_plan=plan))
+    _grads(model, x)  # the discovery call
+    got = _grads(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_rng_state_of_a_kernel_with_dropout_must_reproduce():
+    # with dropout the state is read: a re-run that does not reproduce it is refused
+    model = nn.Sequential(FusedAttnBlock(0.1)).train()
+    ds_hilore.attach(model, dict(EXACT, layer_pattern="0"))
+    with pytest.raises(HiLoReError, match="FusedAttnBlock"):
+        model(torch.randn(2, 3, 8, requires_grad=True))
+
+
 def test_parallel_block_is_split_with_the_shared_input_kept():
     # Cohere: the MLP reads input_layernorm's output, a child of the attention unit
     model = tiny_model("gpt_neox", layers=2)

@@ -246,6 +246,55 @@ def test_loss_on_an_unrecorded_intermediate_hidden_state_is_an_error_before_any_
         runtime.end_step()
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_reaching_an_elided_sequence_is_a_leak_too(value):
+    # NaN compares false with anything: a check ``amax() > 0`` let it pass into the parameters'
+    # gradients. Seen on CUDA, where stand-in rows met a fused attention kernel's backward.
+    model, runtime, keep, _ = _leaking_model()
+    ids = batch()["input_ids"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    logits = model(input_ids=ids).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    loss = policy_loss(logp, logp.detach(), torch.tensor([1.0, 0.0, -1.0]), mask,
+                       loss_type="grpo", model=model).loss
+    poison = torch.zeros_like(keep["h"])
+    poison[1] = value  # only the elided sequence's gradient, below the top layer
+    (loss + (keep["h"] * poison).sum()).backward()
+    assert not torch.isfinite(model.model.layers[0].mlp.down_proj.weight.grad).all()
+    with pytest.raises(HiLoReError, match="intermediate layer's hidden state"):
+        optimizer.step()
+    assert [n for n, p in model.named_parameters() if not torch.equal(before[n], p)] == []
+
+
+def test_without_elision_an_intermediate_loss_is_exact_and_no_backward_is_skipped():
+    # "elide_zero_rows": false keeps every sequence (for kernels whose backward does not map
+    # zeros to zeros on stand-ins): the loss that leaks past elision is then simply exact
+    model = tiny_model("llama", layers=3)
+    ids = batch()["input_ids"]
+    keep = {}
+    model.model.layers[0].register_forward_hook(lambda m, a, out: keep.update(h=out))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        _grpo_with_intermediate_loss(model, ids, keep).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref, ref_zero = grads(), _grpo_loss_and_grads(model, ids, torch.zeros(3))[1]
+    runtime = ds_hilore.attach(model, {"low_precision": "none", "force_plan": "H",
+                                       "elide_zero_rows": False})
+    grads()  # the discovery call
+    got = grads()
+    runtime.end_step()  # nothing elided, so nothing leaked
+    assert [n for n in ref if not torch.equal(ref[n], got[n])] == []
+    assert runtime.stats["actions"]["E"] == 0
+    zero = _grpo_loss_and_grads(model, ids, torch.zeros(3))[1]  # every sequence zero
+    assert [n for n in ref_zero if not torch.equal(ref_zero[n], zero[n])] == []
+    assert runtime.stats["actions"]["E"] == 0 and not runtime.stats.get("backward_skipped")
+
+
 class LateOnOtherRank:
     """``runtime.collective`` of two ranks whose other rank's last backward leaked: the late
     flag it sends with the elision's decision (last of the vector ``_agree`` all-reduces)."""

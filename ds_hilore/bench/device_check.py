@@ -9,7 +9,10 @@
    from itself.
 2. Memory: HiLoRe at ``--budget`` after its warm-up, one metered step; its peak against the
    budget times GC's. On CUDA both ``max_memory_allocated`` and ``max_memory_reserved`` (the
-   caching allocator's view: what the device really had to give), each against GC's own.
+   caching allocator's view: what the device really had to give), each against GC's own. The
+   cache is emptied before each metered step, so a reserve is that step's own, not what earlier
+   steps left cached (HiLoRe's warm-up runs other plans); what was cached then is reported too
+   (``cached_before``), outside the check.
 
 Prints one line per check and a JSON document (``--json``); the exit status is 1 when any
 check fails, so a shell script run with ``set -e`` stops loudly.
@@ -76,7 +79,10 @@ def _peaks(run, micro_batches, device: str) -> dict[str, int]:
 
     run.model.zero_grad(set_to_none=True)
     sync(device)
+    cached = None
     if device == "cuda":
+        cached = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()  # the step's own reserve (module docstring)
         torch.cuda.reset_peak_memory_stats()
     with PeakMeter(device) as meter:
         step(run, micro_batches)
@@ -84,14 +90,14 @@ def _peaks(run, micro_batches, device: str) -> dict[str, int]:
     out = {"allocated": int(meter.peak_bytes)}
     if device == "cuda":
         out["reserved"] = int(torch.cuda.max_memory_reserved())
-    return out
+    return out, cached
 
 
 def _memory(base, config, steps, budget: float) -> dict[str, Any]:
     device = config["device"]
     gc = new_run("gc", None, base, config)
     step(gc, steps[0])
-    gc_peaks = _peaks(gc, steps[0], device)
+    gc_peaks, gc_cached = _peaks(gc, steps[0], device)
     close(gc)
     run = new_run("hilore", budget, base, config)
     if run.skipped:
@@ -100,10 +106,12 @@ def _memory(base, config, steps, budget: float) -> dict[str, Any]:
         step(run, steps[0])
         if warm(run):
             break
-    mine = _peaks(run, steps[0], device)
+    mine, cached = _peaks(run, steps[0], device)
     mix = dict(run.context.runtime.stats.get("actions", {}))
     close(run)
     out = {"budget": budget, "gc": gc_peaks, "hilore": mine, "plan_mix": mix}
+    if cached is not None:
+        out["cached_before"] = {"gc": int(gc_cached), "hilore": int(cached)}
     for kind in mine:
         ratio = mine[kind] / gc_peaks[kind]
         out[f"{kind}_ratio"] = ratio
@@ -141,6 +149,10 @@ def _lines(result: dict[str, Any]) -> list[str]:
                          f"{memory['hilore'][kind] / 2**20:.1f} MiB = {memory[f'{kind}_ratio']:.3f}x "
                          f"GC's {memory['gc'][kind] / 2**20:.1f} MiB "
                          f"({'ok' if memory[f'{kind}_ok'] else 'OVER THE BUDGET'})")
+    if "cached_before" in memory:
+        lines.append("  reserved before the metered step (left by earlier steps, emptied): "
+                     + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
+                                 memory["cached_before"].items()))
     return lines
 
 

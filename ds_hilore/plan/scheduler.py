@@ -348,8 +348,9 @@ class Scheduler:
             plan = dataclasses.replace(plan, actions={
                 n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
-        elide = bool(expected) and not stores_all(bucket) and \
-            self.runtime.config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
+        config = self.runtime.config
+        elide = bool(expected) and not stores_all(bucket) and config.elide_zero_rows and \
+            config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
         self.predicted_zero = False  # set by _plan_for_rows: from all-reduced values only
         if bucket.loo is None:
             plan = self._plan_for_rows(bucket, expected if elide else None)

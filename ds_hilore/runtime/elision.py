@@ -65,6 +65,8 @@ class Elision:
         read = read_once([mass, held, self._take_late(), *unit_exposure.values()])  # the one read
         mass_read, held, late = read[:3]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
+        if not self.runtime.config.elide_zero_rows:
+            zero = []  # nothing elided, no backward skipped: exposure alone is used
         if segments is not None and len(zero) < every and \
                 not all(f.segments_independent for f in frames):
             zero = _trailing(zero, every)  # segments see earlier ones: only a zero tail
@@ -143,11 +145,11 @@ class Elision:
         if frame.check_every_layer and frame.elision_checked:
             # transformers records hidden states: read it here, one decision for all ranks
             # (elision_checked is the same on every rank, the rows elided are this rank's)
-            leak = bool(rows) and bool(_at(grad.detach(), frame, rows).abs().amax() > 0)
+            leak = bool(rows) and bool(_reaches(_at(grad.detach(), frame, rows)))
             if self._decide(leak, collective=True):
                 self._fall_back([frame])
         elif rows:  # a leak here is an error before the next step, on any rank (``_defer_late``)
-            mb.late_leaks.append(_at(grad.detach(), frame, rows).abs().amax() > 0)
+            mb.late_leaks.append(_reaches(_at(grad.detach(), frame, rows)))
 
     def _check_at_top(self, mb, grad: torch.Tensor) -> None:
         frames = [f for f in mb.live_frames() if f.elision_checked]
@@ -155,7 +157,7 @@ class Elision:
             return
         rows = sorted(set().union(*(f.elided_rows for f in frames)))
         packed = next((f for f in frames if f.segments is not None), frames[0])
-        leak = _at(grad.detach(), packed, rows).abs().amax() > 0 if rows else None  # () bool
+        leak = _reaches(_at(grad.detach(), packed, rows)) if rows else None  # () bool
         if mb.settled:
             leaks = self._decide(leak is not None and bool(leak), collective=True)
         else:  # read and agreed on with the checks left: NOTE [ One sync at the top of the
@@ -240,7 +242,10 @@ def _late_error() -> HiLoReError:
         "layer's hidden state (a loss on it that transformers did not record); their "
         "activations had been elided, so the gradients accumulated since the last optimizer "
         "step are wrong and no step may use them. Compute that loss from "
-        "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss.")
+        "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss. "
+        "Without such a loss, a kernel's backward turned the stand-in values of elided "
+        "sequences into gradient (NaN or not): set \"elide_zero_rows\": false in the \"hilore\" "
+        "block.")
 
 
 def _unit_exposure(frames, abs_omega: torch.Tensor, cols: int, offset, segments) -> dict:
@@ -266,6 +271,12 @@ def _trailing(zero: list[int], count: int) -> list[int]:
     while start > 0 and start - 1 in zero_set:
         start -= 1
     return list(range(start, count))
+
+
+def _reaches(grad: torch.Tensor) -> torch.Tensor:
+    """() bool on the device: any gradient at all, NaN and inf included (``abs().amax() > 0``
+    is False for NaN, and let it pass into the parameters' gradients)."""
+    return grad.ne(0).any()
 
 
 def _at(grad: torch.Tensor, frame, rows: list[int]) -> torch.Tensor:

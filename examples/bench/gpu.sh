@@ -31,7 +31,7 @@ START="$(date +%s)"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu.log") 2>&1
 cd "$REPO"
-export TORCH_EXTENSIONS_DIR="$OUT/torch_extensions"  # JIT ops of this run only
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(mktemp -d)}"  # JIT ops, out of $OUT
 export PYTHONUNBUFFERED=1
 
 echo "== 1. torch and the device"
@@ -60,7 +60,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "installing: ${missing[*]}"
     "$PY" -m pip install --no-index --no-deps --no-build-isolation --find-links "$WHEELS" "${missing[@]}"
 fi
-"$PY" -m pip install --no-index --no-deps --no-build-isolation -e "$REPO"
+# this checkout from its folder: an editable install would need setuptools from a registry
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch, deepspeed, ds_hilore" >/dev/null
 
 echo "== 3. versions"
