@@ -135,11 +135,12 @@ class HiLoReConfig(_ConfigModel):
                                   description="Re-estimate exposure and risk every N microbatches.")
     validation_interval: _Int = Field(0, strict=True, ge=0, description=(
         "Measure the true gradient error every N optimizer steps; 0 = off."))
-    elide_zero_rows: bool = Field(True, strict=True, description=(
+    elide_zero_rows: Literal["auto", True, False] = Field("auto", description=(
         "Sequences whose loss coefficients are all exactly zero keep no activations (E), and a "
         "microbatch of only such sequences skips its layers' backward. false: every sequence "
         "is stored or recomputed as planned (for a kernel whose backward does not turn a zero "
-        "gradient into zeros on the stand-in values of elided sequences)."))
+        "gradient into zeros on the stand-in values of elided sequences). auto: true on CPU, "
+        "false on accelerators, where that was seen (CUDA's attention kernels)."))
     exposure_source: Literal["auto", "analytic", "hidden_grad"] = Field("auto", description=(
         "Per-token coefficients: analytic (ds_hilore.grpo / set_coefficients), hidden_grad "
         "(gradient at the last hidden state, any loss), auto (analytic when given)."))

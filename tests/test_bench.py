@@ -105,9 +105,17 @@ def test_error_budget_reaches_every_allocator(bench):
     assert report_module._tolerance_note({"grad_error_tolerance": 0.004}) == \
         ", grad_error_tolerance 0.004"
     config = dict(report["config"], budget=1.1, grad_error_tolerance=0.004)
+    assert report["config"]["elide_zero_rows"] == "auto"
+    assert "--no-elision" not in report_module.table(report)
     for name in ("static", "hr", "hilore"):
         block = METHODS[name].hilore_config(config)
         assert HiLoReConfig(**block).grad_error_tolerance == 0.004, name
+    hilore_methods = [m for m in METHODS.values() if hasattr(m, "hilore_config")]
+    assert {"all_l", "block_h", "hilore"} <= {m.name for m in hilore_methods}
+    for method in hilore_methods:  # --no-elision reaches every run that attaches HiLoRe
+        block = method.hilore_config(dict(config, elide_zero_rows=False, layers_n=2))
+        assert HiLoReConfig(**block).elide_zero_rows is False, method.name
+        assert HiLoReConfig(**method.hilore_config(dict(config, layers_n=2))).elide_zero_rows == "auto"
         allocators = [run for run in _runs(report, name) if run["allocator"]]
         assert allocators and all(r["allocator"]["risk_budget"] <= default for r in allocators)
 
@@ -701,3 +709,16 @@ def test_several_reports_side_by_side_say_how_many_runs_agreed(tmp_path, capsys)
     assert cli.main(["bench", "--report", paths[0], str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.json: not a readable hilore bench report" in err[0]
+
+
+def test_no_elision_flag_reaches_the_config():
+    import argparse
+
+    from ds_hilore.bench import options
+
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser)
+    argv = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
+    assert options.check_args(parser.parse_args(argv))["elide_zero_rows"] == "auto"
+    config = options.check_args(parser.parse_args(argv + ["--no-elision"]))
+    assert config["elide_zero_rows"] is False

@@ -35,7 +35,7 @@ CONTRACT_DEFAULTS = {
     "plan_validation_microbatches": 2,
     "refresh_interval": 1,
     "validation_interval": 0,
-    "elide_zero_rows": True,
+    "elide_zero_rows": "auto",
     "exposure_source": "auto",
     "log_interval": 0,
 }

@@ -11,6 +11,8 @@ elision checks, and the late flags the previous backward left).
 
 from __future__ import annotations
 
+import logging
+
 import sys
 from pathlib import Path
 
@@ -293,6 +295,19 @@ def test_without_elision_an_intermediate_loss_is_exact_and_no_backward_is_skippe
     zero = _grpo_loss_and_grads(model, ids, torch.zeros(3))[1]  # every sequence zero
     assert [n for n in ref_zero if not torch.equal(ref_zero[n], zero[n])] == []
     assert runtime.stats["actions"]["E"] == 0 and not runtime.stats.get("backward_skipped")
+
+
+@pytest.mark.parametrize("setting, cpu, accelerator", [("auto", True, False), (True, True, True),
+                                                        (False, False, False)])
+def test_elision_auto_is_on_for_cpu_and_off_on_accelerators(setting, cpu, accelerator, caplog):
+    # NOTE [ Stand-ins on accelerators ]: auto elides where stand-ins are shown exact
+    caplog.set_level(logging.INFO, logger="ds_hilore")
+    runtime = ds_hilore.attach(tiny_model("llama", layers=2), {"elide_zero_rows": setting})
+    assert runtime.elides(torch.device("cpu")) is cpu
+    for _ in range(2):
+        assert runtime.elides(torch.device("cuda", 0)) is accelerator
+    said = [r for r in caplog.records if "not elided on cuda" in r.getMessage()]
+    assert len(said) == (setting == "auto")  # said once, and only when auto decided
 
 
 class LateOnOtherRank:

@@ -204,6 +204,8 @@ class HiLoRe(Method):
             block["memory_budget"] = float(config["budget"])
         if config.get("grad_error_tolerance") is not None:
             block["grad_error_tolerance"] = float(config["grad_error_tolerance"])
+        if config.get("elide_zero_rows") is False:  # --no-elision
+            block["elide_zero_rows"] = False
         block.update(self.overrides)
         return block
 
@@ -225,7 +227,10 @@ class BlockH(HiLoRe):
         plan = {"*": "R"}
         for i in range(n - k, n):
             plan[f"model.layers.{i}.*"] = "H"
-        return {"codec_backend": config["codec_backend"], "force_plan": plan}
+        block = {"codec_backend": config["codec_backend"], "force_plan": plan}
+        if config.get("elide_zero_rows") is False:  # --no-elision
+            block["elide_zero_rows"] = False
+        return block
 
     def setup(self, model, config):
         context = super().setup(model, config)

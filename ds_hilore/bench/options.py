@@ -170,6 +170,7 @@ def check_args(args) -> dict[str, Any]:
             "lora_r": None if args.full else args.lora_r, "codec_backend": args.codec_backend,
             "seed": args.seed, "batches": 2,
             "grad_error_tolerance": default_tolerance() if tolerance is None else tolerance,
+            "elide_zero_rows": False if getattr(args, "no_elision", False) else "auto",
             "ds_init": bool(getattr(args, "ds_init", False)),
             "strict": bool(getattr(args, "strict", False))}
 
@@ -206,6 +207,9 @@ def add_arguments(parser) -> None:
                         help="the HiLoRe allocators' error budget (the ds_config's "
                              "grad_error_tolerance, 0 <= X < 1; default: its default, "
                              f"{default_tolerance()})")
+    parser.add_argument("--no-elision", action="store_true",
+                        help="every HiLoRe run with \"elide_zero_rows\": false: sequences with "
+                             "zero loss coefficients are stored or recomputed like the others")
     parser.add_argument("--budgets", default="1.05,1.10,1.20",
                         help="memory budgets, multiples of GC's peak >= 1.0 (default 1.05,1.10,1.20)")
     parser.add_argument("--methods", default=None,

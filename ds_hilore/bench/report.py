@@ -119,6 +119,8 @@ def table(report) -> str:
     if tolerance is not None:  # reports written before the flag do not say
         lines.append(f"HiLoRe's error budget (grad_error_tolerance): {tolerance:g} of the step's "
                      "gradient")
+    if report.get("config", {}).get("elide_zero_rows") is False:
+        lines.append("--no-elision: no HiLoRe run elided a sequence or skipped a backward")
     for line in (_regime_line(report), _stop_line(report)):
         if line:
             lines.append(line)

@@ -349,7 +349,8 @@ class Scheduler:
                 n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         config = self.runtime.config
-        elide = bool(expected) and not stores_all(bucket) and config.elide_zero_rows and \
+        elide = bool(expected) and not stores_all(bucket) and \
+            self.runtime.elides(self._device()) and \
             config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
         self.predicted_zero = False  # set by _plan_for_rows: from all-reduced values only
         if bucket.loo is None:

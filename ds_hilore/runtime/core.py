@@ -90,6 +90,7 @@ class HiLoReRuntime(Installation, Plans):
         self._last_step: list[dict] | None = None
         self._live_mbs: "weakref.WeakSet[Microbatch]" = weakref.WeakSet()
         self._elision = Elision(self)
+        self._warned_elision = False
         self._warned_cache = False
         self._warned_packed = False
         self._warned_ambiguous = False  # coefficients that name no forward (_microbatch_of)
@@ -345,6 +346,21 @@ class HiLoReRuntime(Installation, Plans):
             mb.batch, mb.seq_len = frame.batch, frame.seq_len
             self._summarise(mb)
         return out
+
+    def elides(self, device: torch.device) -> bool:
+        """Whether sequences with zero loss coefficients are elided on ``device``
+        (``elide_zero_rows``; NOTE [ Stand-ins on accelerators ] in elision.py)."""
+        setting = self.config.elide_zero_rows
+        if setting != "auto":
+            return setting
+        if device.type == "cpu":
+            return True
+        if not self._warned_elision:
+            self._warned_elision = True
+            logger.info("ds_hilore: sequences with zero loss coefficients are not elided on %s "
+                        "(elide_zero_rows \"auto\"; set it to true to elide them there)",
+                        device.type)
+        return False
 
     def _without_cache(self, layer: LayerUnits, function, args: tuple):
         function, args, dropped = drop_cache(layer.module, function, args)

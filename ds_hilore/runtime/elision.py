@@ -21,6 +21,15 @@ only); gradient entering through internal outputs
 collected on the device at every layer, folded into one when the backward ends and read with
 the runtime's next read, or before any optimizer steps (NOTE [ Two reads per microbatch ] in
 reads.py): an error, before the optimizer can step on a wrong gradient.
+
+NOTE [ Stand-ins on accelerators ]
+On CPU the stand-ins of elided sequences (NOTE [ Exact zeros ] in storage.py) meet only
+backward formulas that turn a zero gradient into zeros, which the tests show bitwise. On one
+H200 (torch 2.11, bf16, a padded GRPO batch) the layers' backward over elided sequences gave
+them gradient anyway -- e after one layer, growing by ~1e8 a layer, or NaN -- with H or L units
+under the default attention kernels; never with recomputed units. The checks above caught it
+(NaN once they counted NaN), but a run that raises is no product, so ``elide_zero_rows`` is
+"auto": on where it is shown exact (CPU), off on accelerators until the kernel is found.
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ class Elision:
         read = read_once([mass, held, self._take_late(), *unit_exposure.values()])  # the one read
         mass_read, held, late = read[:3]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
-        if not self.runtime.config.elide_zero_rows:
+        if not self.runtime.elides(frames[0].device):
             zero = []  # nothing elided, no backward skipped: exposure alone is used
         if segments is not None and len(zero) < every and \
                 not all(f.segments_independent for f in frames):

@@ -26,6 +26,7 @@ WHEELS="${1:-${HILORE_WHEELS:-$REPO/examples/bench/wheels}}"
 OUT="${OUT:-$REPO/output/gpu-bench}"
 PY="${PYTHON:-python3}"
 MINUTES="${HILORE_GPU_MINUTES:-9}"
+read -r -a EXTRA <<< "${HILORE_BENCH_FLAGS:-}"  # more bench flags, e.g. --no-elision
 START="$(date +%s)"
 
 mkdir -p "$OUT"
@@ -96,7 +97,7 @@ timeout --signal=INT "$(( left + 60 ))" "$PY" -m ds_hilore.cli bench \
     --group-size 4 --grad-accum 2 --budgets 1.10 --ds-init --strict \
     --methods nogc,gc,ds_ac,sac,block_h,all_l,static,hr,hilore \
     --rounds auto --max-minutes "$(awk "BEGIN {print $left / 60}")" \
-    --json "$OUT/bench.json" --plot "$OUT/bench.png"
+    --json "$OUT/bench.json" --plot "$OUT/bench.png" ${EXTRA[@]+"${EXTRA[@]}"}
 
 echo "== done in $(( $(date +%s) - START )) s; results in $OUT"
 exit "$check"
