@@ -190,6 +190,14 @@ class Offload(Method):
         return Context(step=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
 
 
+def _base_block(config: dict[str, Any]) -> dict[str, Any]:
+    """What every HiLoRe run's block carries: the codec backend, and --no-elision."""
+    block = {"codec_backend": config["codec_backend"]}
+    if config.get("elide_zero_rows") is False:
+        block["elide_zero_rows"] = False
+    return block
+
+
 class HiLoRe(Method):
     """HiLoRe (``ds_hilore.attach``) with ``overrides`` on top of the bench's base block."""
 
@@ -199,13 +207,11 @@ class HiLoRe(Method):
         self.budgeted, self.exact, self.policy = budgeted, exact, policy
 
     def hilore_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        block = {"codec_backend": config["codec_backend"]}
+        block = _base_block(config)
         if self.budgeted:
             block["memory_budget"] = float(config["budget"])
         if config.get("grad_error_tolerance") is not None:
             block["grad_error_tolerance"] = float(config["grad_error_tolerance"])
-        if config.get("elide_zero_rows") is False:  # --no-elision
-            block["elide_zero_rows"] = False
         block.update(self.overrides)
         return block
 
@@ -227,10 +233,7 @@ class BlockH(HiLoRe):
         plan = {"*": "R"}
         for i in range(n - k, n):
             plan[f"model.layers.{i}.*"] = "H"
-        block = {"codec_backend": config["codec_backend"], "force_plan": plan}
-        if config.get("elide_zero_rows") is False:  # --no-elision
-            block["elide_zero_rows"] = False
-        return block
+        return dict(_base_block(config), force_plan=plan)
 
     def setup(self, model, config):
         context = super().setup(model, config)

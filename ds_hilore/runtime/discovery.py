@@ -395,7 +395,7 @@ class _Checker:
         for j in (j for j, skip in enumerate(unread) if skip):  # both saved it: shape, dtype
             a, b = expected[j], got[j]
             if b is None or a.shape != b.shape or a.dtype != b.dtype:
-                self.mismatch = f"saved tensor {j}: {_describe(a)} then {_describe(b)}"
+                self.mismatch = _unlike(j, a, b)
                 return None
             expected[j] = got[j] = None
         result, self.mismatch = _compare(expected, got)
@@ -419,6 +419,10 @@ def _describe(t) -> str:
     return "a weight" if t is None else f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
+def _unlike(j: int, a, b) -> str:
+    return f"saved tensor {j}: {_describe(a)} then {_describe(b)}"
+
+
 def _compare(expected: list, got: list) -> tuple[str | None, str]:
     """``("bitwise" | "tolerance" | None, the first difference)``."""
     result = "bitwise"
@@ -426,10 +430,10 @@ def _compare(expected: list, got: list) -> tuple[str | None, str]:
         where = f"saved tensor {j} ({_describe(a)})"
         if a is None or b is None:  # weights: never compared, but both sides must agree
             if (a is None) != (b is None):
-                return None, f"saved tensor {j}: {_describe(a)} then {_describe(b)}"
+                return None, _unlike(j, a, b)
             continue
         if a.shape != b.shape or a.dtype != b.dtype:
-            return None, f"saved tensor {j}: {_describe(a)} then {_describe(b)}"
+            return None, _unlike(j, a, b)
         if torch.equal(a.detach(), b):
             continue
         if not a.is_floating_point():
@@ -443,5 +447,3 @@ def _compare(expected: list, got: list) -> tuple[str | None, str]:
             return None, f"{where} differs by up to {diff:.3g}, beyond rtol {rtol:g}"
         result = "tolerance"
     return result, ""
-
-
