@@ -135,12 +135,14 @@ class HiLoReConfig(_ConfigModel):
                                   description="Re-estimate exposure and risk every N microbatches.")
     validation_interval: _Int = Field(0, strict=True, ge=0, description=(
         "Measure the true gradient error every N optimizer steps; 0 = off."))
-    elide_zero_rows: Literal["auto", True, False] = Field("auto", description=(
+    elide_zero_rows: Literal["auto", True, False, "whole"] = Field("auto", description=(
         "Sequences whose loss coefficients are all exactly zero keep no activations (E), and a "
-        "microbatch of only such sequences skips its layers' backward. false: every sequence "
-        "is stored or recomputed as planned (for a kernel whose backward does not turn a zero "
-        "gradient into zeros on the stand-in values of elided sequences). auto: true on CPU, "
-        "false on accelerators, where that was seen (CUDA's attention kernels)."))
+        "microbatch of only such sequences skips its layers' backward. true: every such "
+        "sequence; \"whole\": only a microbatch whose every sequence is, and only when its "
+        "layers' backward is then skipped, so no kernel's backward reads the stand-in values "
+        "of elided sequences; false: none (every sequence stored or recomputed as planned). "
+        "auto: true on CPU, \"whole\" on accelerators, where CUDA's attention kernels were "
+        "seen to turn stand-ins into gradient."))
     exposure_source: Literal["auto", "analytic", "hidden_grad"] = Field("auto", description=(
         "Per-token coefficients: analytic (ds_hilore.grpo / set_coefficients), hidden_grad "
         "(gradient at the last hidden state, any loss), auto (analytic when given)."))

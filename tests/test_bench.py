@@ -106,15 +106,20 @@ def test_error_budget_reaches_every_allocator(bench):
         ", grad_error_tolerance 0.004"
     config = dict(report["config"], budget=1.1, grad_error_tolerance=0.004)
     assert report["config"]["elide_zero_rows"] == "auto"
-    assert "--no-elision" not in report_module.table(report)
+    assert "--elide-zero-rows" not in report_module.table(report)
+    for setting, said in ((False, "--elide-zero-rows false"), (True, "--elide-zero-rows true"),
+                          ("whole", "--elide-zero-rows whole")):
+        saved = dict(report, config=dict(report["config"], elide_zero_rows=setting))
+        assert said in report_module.table(saved), setting
     for name in ("static", "hr", "hilore"):
         block = METHODS[name].hilore_config(config)
         assert HiLoReConfig(**block).grad_error_tolerance == 0.004, name
     hilore_methods = [m for m in METHODS.values() if hasattr(m, "hilore_config")]
     assert {"all_l", "block_h", "hilore"} <= {m.name for m in hilore_methods}
-    for method in hilore_methods:  # --no-elision reaches every run that attaches HiLoRe
-        block = method.hilore_config(dict(config, elide_zero_rows=False, layers_n=2))
-        assert HiLoReConfig(**block).elide_zero_rows is False, method.name
+    for method in hilore_methods:  # --elide-zero-rows reaches every run that attaches HiLoRe
+        for setting in (False, True, "whole"):
+            block = method.hilore_config(dict(config, elide_zero_rows=setting, layers_n=2))
+            assert HiLoReConfig(**block).elide_zero_rows == setting, (method.name, setting)
         assert HiLoReConfig(**method.hilore_config(dict(config, layers_n=2))).elide_zero_rows == "auto"
         allocators = [run for run in _runs(report, name) if run["allocator"]]
         assert allocators and all(r["allocator"]["risk_budget"] <= default for r in allocators)
@@ -582,13 +587,24 @@ def test_device_check_runs_on_cpu(tmp_path, capsys):
     assert exact["deterministic"] and exact["gc_vs_gc_max_abs"] == 0.0
     for method in ("hilore_all_h", "hilore_all_r"):
         assert exact[method]["max_abs_vs_gc"] == 0.0 and exact[method]["ok"], method
+    # elision: every setting exact on a CPU; "whole" elided the all-zero microbatch (8
+    # sequences) and skipped its backward; true elided the zero group (4) of each microbatch
+    # of the mixed step, and the all-zero microbatch with its backward run
+    elision = exact["elision"]
+    assert [e["check"] for e in elision.values()] == [True, False, False]
+    assert all(e["max_abs_vs_gc"] == 0.0 and e["ok"] for e in elision.values()), elision
+    assert [(e["elided_sequences"], e["backward_skipped"]) for e in elision.values()] == \
+        [(8, 1), (8, 0), (8, 0)], elision
     memory = result["memory"]
     assert "reserved" not in memory["hilore"]  # CUDA only
     assert memory["allocated_ratio"] == pytest.approx(
         memory["hilore"]["allocated"] / memory["gc"]["allocated"])
     assert memory["allocated_ok"] == (memory["allocated_ratio"] <= 1.10)
     assert code == (0 if result["ok"] else 1)
-    assert "hilore_all_r vs GC: max |diff| 0 (ok)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "hilore_all_r vs GC: max |diff| 0 (ok)" in printed
+    assert "elide_zero_rows whole: a microbatch all zero: max |diff| 0, 8 sequences elided, " \
+        "1 backward skipped (ok)" in printed
 
 
 def test_plot_styles_are_distinct_per_method():
@@ -711,7 +727,7 @@ def test_several_reports_side_by_side_say_how_many_runs_agreed(tmp_path, capsys)
     assert len(err) == 1 and "missing.json: not a readable hilore bench report" in err[0]
 
 
-def test_no_elision_flag_reaches_the_config():
+def test_elision_flags_reach_the_config():
     import argparse
 
     from ds_hilore.bench import options
@@ -720,5 +736,9 @@ def test_no_elision_flag_reaches_the_config():
     options.add_arguments(parser)
     argv = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
     assert options.check_args(parser.parse_args(argv))["elide_zero_rows"] == "auto"
-    config = options.check_args(parser.parse_args(argv + ["--no-elision"]))
-    assert config["elide_zero_rows"] is False
+    for flags, setting in ((["--no-elision"], False), (["--elide-zero-rows", "false"], False),
+                           (["--elide-zero-rows", "true"], True),
+                           (["--elide-zero-rows", "whole"], "whole")):
+        config = options.check_args(parser.parse_args(argv + flags))
+        assert config["elide_zero_rows"] == setting and \
+            type(config["elide_zero_rows"]) is type(setting), flags

@@ -297,16 +297,18 @@ def test_without_elision_an_intermediate_loss_is_exact_and_no_backward_is_skippe
     assert runtime.stats["actions"]["E"] == 0 and not runtime.stats.get("backward_skipped")
 
 
-@pytest.mark.parametrize("setting, cpu, accelerator", [("auto", True, False), (True, True, True),
-                                                        (False, False, False)])
-def test_elision_auto_is_on_for_cpu_and_off_on_accelerators(setting, cpu, accelerator, caplog):
-    # NOTE [ Stand-ins on accelerators ]: auto elides where stand-ins are shown exact
+@pytest.mark.parametrize("setting, cpu, accelerator", [
+    ("auto", "rows", "whole"), (True, "rows", "rows"), ("whole", "whole", "whole"),
+    (False, "off", "off")])
+def test_elision_auto_elides_rows_on_cpu_and_whole_microbatches_on_accelerators(
+        setting, cpu, accelerator, caplog):
+    # NOTE [ Stand-ins on accelerators ]: auto elides rows where stand-ins are shown exact
     caplog.set_level(logging.INFO, logger="ds_hilore")
     runtime = ds_hilore.attach(tiny_model("llama", layers=2), {"elide_zero_rows": setting})
-    assert runtime.elides(torch.device("cpu")) is cpu
+    assert runtime.elision_mode(torch.device("cpu")) == cpu
     for _ in range(2):
-        assert runtime.elides(torch.device("cuda", 0)) is accelerator
-    said = [r for r in caplog.records if "not elided on cuda" in r.getMessage()]
+        assert runtime.elision_mode(torch.device("cuda", 0)) == accelerator
+    said = [r for r in caplog.records if "on cuda only microbatches" in r.getMessage()]
     assert len(said) == (setting == "auto")  # said once, and only when auto decided
 
 

@@ -9,15 +9,18 @@ import copy
 
 import pytest
 import torch
-from models import VOCAB, one_torch_thread, planner_model
+from models import VOCAB, equal_utilities, one_torch_thread, planner_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ds_hilore
+from ds_hilore.config import HiLoReConfig
 from ds_hilore.grpo import policy_loss
+from ds_hilore.runtime import bundle, storage
 
 B, T, PROMPT = 4, 48, 8
 SPREAD = torch.tensor([1.0, -1.0, 0.5, -0.5])
 ZERO = torch.zeros(B)
+PART = torch.tensor([1.0, 0.0, -0.5, 0.0])  # two sequences with zero coefficients
 MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._scaled_dot_product")
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
@@ -33,7 +36,8 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _microbatch(model, seed: int, advantages: torch.Tensor, entropy: float = 0.0) -> int:
+def _microbatch(model, seed: int, advantages: torch.Tensor, entropy: float = 0.0,
+                before_backward=None) -> int:
     """Forward, GRPO loss (its coefficients to the runtime of ``model``, if any), backward;
     the matmuls the backward ran."""
     ids = torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(1000 + seed))
@@ -44,6 +48,8 @@ def _microbatch(model, seed: int, advantages: torch.Tensor, entropy: float = 0.0
     loss = policy_loss(logp, logp.detach(), advantages, mask, model=model).loss
     if entropy:  # a loss term the coefficients do not see
         loss = loss - entropy * -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+    if before_backward is not None:
+        before_backward()
     counter = _CountMatmuls()
     with counter:
         loss.backward()
@@ -128,5 +134,148 @@ def test_gradient_from_a_term_the_coefficients_miss_is_not_skipped():
         assert stats["backward_skipped"] == 0
         assert _same(_grads(model), _grads(ref))
         assert any(g is not None and g.abs().sum() > 0 for g in _grads(model))
+    finally:
+        runtime.detach()
+
+
+# NOTE [ Stand-ins on accelerators ]: "whole" elides only microbatches whose layers' backward
+# is skipped, so no backward reads a stand-in. Stand-ins of NaN make any read visible: a
+# backward that meets one turns its zero gradient into NaN.
+@pytest.fixture
+def nan_stand_ins(monkeypatch):
+    def nan(dtype):
+        return float("nan") if dtype.is_floating_point else 0
+    monkeypatch.setattr(storage, "stand_in_value", nan)
+    monkeypatch.setattr(bundle, "stand_in_value", nan)
+
+
+def _finite(grads: list) -> bool:
+    return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("plan", ["R", "H"])
+def test_whole_microbatch_elision_reads_no_stand_in(plan, nan_stand_ins):
+    model = planner_model()
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, {"force_plan": plan, "low_precision": "none",
+                                       "elide_zero_rows": "whole"})
+    try:
+        _microbatch(model, 0, SPREAD)  # discovery
+        runtime.end_step()
+        for skip in (True, False):  # False: as under ZeRO 1-3, whose hooks see every gradient
+            runtime.zero_backward_skip = skip
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+            for seed, advantages in ((1, ZERO), (2, PART)):
+                _microbatch(model, seed, advantages)
+                _microbatch(ref, seed, advantages)
+            runtime.end_step()
+            stats = runtime.stats
+            assert _same(_grads(model), _grads(ref)) and _finite(_grads(model)), skip
+            assert stats["backward_skipped"] == int(skip), stats
+            # the zero microbatch's H units elided only when its backward was skipped; the
+            # partly zero one's sequences never
+            assert stats["actions"]["E"] == (2 * 2 if skip and plan == "H" else 0), stats
+    finally:
+        runtime.detach()
+
+
+def test_whole_elision_recomputes_when_the_skip_does_not_happen_after_all(nan_stand_ins):
+    """A microbatch elided for a skip that then does not happen (here the switch turned off
+    between the loss and the backward) recomputes its units instead of reading stand-ins."""
+    model = planner_model()
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, {"force_plan": "H", "low_precision": "none",
+                                       "elide_zero_rows": "whole"})
+    try:
+        _microbatch(model, 0, SPREAD)  # discovery
+        runtime.end_step()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+
+        def no_skip():
+            runtime.zero_backward_skip = False
+        _microbatch(model, 1, ZERO, before_backward=no_skip)
+        runtime.end_step()
+        stats = runtime.stats
+        _microbatch(ref, 1, ZERO)
+        assert _same(_grads(model), _grads(ref)) and _finite(_grads(model))
+        # summarised as elided at the coefficients, recomputed in the backward
+        assert stats["backward_skipped"] == 0, stats
+        assert stats["microbatches"][0]["recomputed_units"] == 4, stats
+    finally:
+        runtime.detach()
+
+
+def test_elided_rows_read_stand_ins_where_whole_elision_reads_none(nan_stand_ins):
+    """The control for the two tests above: with every zero sequence elided ("rows", CPU's
+    default) the partly zero microbatch's backward reads its stand-ins."""
+    model = planner_model()
+    runtime = ds_hilore.attach(model, {"force_plan": "H", "low_precision": "none",
+                                       "elide_zero_rows": True})
+    try:
+        _microbatch(model, 0, SPREAD)  # discovery
+        runtime.end_step()
+        model.zero_grad(set_to_none=True)
+        _microbatch(model, 1, PART)
+        assert not _finite(_grads(model))
+        with pytest.raises(ds_hilore.HiLoReError, match="elide_zero_rows"):  # caught, as ever
+            torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+    finally:
+        runtime.detach()
+
+
+@pytest.mark.parametrize("mode", [True, "whole"])
+def test_the_plan_elides_at_capture_what_the_setting_allows(mode, monkeypatch):
+    """The allocator's plan from a prediction: "rows" elides the sequences predicted zero at
+    capture; "whole" only a microbatch predicted zero in every sequence (planned all R and its
+    backward skipped), and only where that backward can be skipped: under ZeRO 1-3 it runs its
+    plan. Gradients exact either way."""
+    equal_utilities(monkeypatch)
+    model = planner_model()
+    ref = copy.deepcopy(model)
+    config = {"low_precision": "none", "profile_microbatches": 2, "calibration_microbatches": 0,
+              "plan_validation_microbatches": 0, "elide_zero_rows": mode}
+    runtime = ds_hilore.attach(model, config)
+    applied = []  # the rows of every plan the policy applies
+    apply_plan = runtime.apply_plan
+    monkeypatch.setattr(runtime, "apply_plan",
+                        lambda plan, rows=None: (applied.append(rows), apply_plan(plan, rows))[1])
+    try:
+        for seed in range(3):  # discovery, then profiled
+            _microbatch(model, seed, SPREAD)
+            runtime.end_step()
+        # the least absolute budget with room for some of the four units, not all: memory
+        # is short (a plan storing every unit whole never elides: nothing to free)
+        policy = runtime.policy
+        bucket, = policy.buckets.values()
+        step = max(u.h_bytes for u in bucket.profile.units) // 4
+        for k in range(1, 400):
+            policy.config = HiLoReConfig(**dict(
+                config, memory_budget_bytes=bucket.profile.gc_peak_bytes + k * step))
+            policy._plan_bucket(bucket, profiled=False)
+            if "H" in bucket.plan.actions.values():
+                break
+        assert 0 < list(bucket.plan.actions.values()).count("H") < 4, bucket.plan
+        for seed, advantages, skip in ((3, PART, True), (4, ZERO, True), (5, ZERO, False)):
+            runtime.zero_backward_skip = skip  # False: as under ZeRO 1-3
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+            applied.clear()
+            runtime.expect([float(a != 0) for a in advantages])
+            _microbatch(model, seed, advantages)
+            runtime.end_step()
+            stats = runtime.stats
+            _microbatch(ref, seed, advantages)
+            assert _same(_grads(model), _grads(ref)), (mode, seed)
+            rows_elided = any("E" in r for rows in applied if rows for r in rows.values())
+            if advantages is PART:
+                assert rows_elided == (mode is True), applied
+            elif skip:  # predicted zero: all R, its backward skipped, in both settings
+                assert not rows_elided and stats["actions"]["R"] == 4, stats
+                assert stats["backward_skipped"] == 1, stats
+            else:  # its backward runs: "rows" reads stand-ins, "whole" the plan's kept units
+                assert stats["backward_skipped"] == 0, stats
+                assert (stats["actions"]["R"] == 4) == (mode is True), stats
     finally:
         runtime.detach()

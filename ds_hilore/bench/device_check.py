@@ -7,6 +7,12 @@
    weights, bitwise. A device whose kernels are not deterministic (GC against a second GC run
    not bitwise) is reported as such, and H and R must then be no further from GC than GC is
    from itself.
+   Elision on the device (NOTE [ Stand-ins on accelerators ] in runtime/elision.py), H
+   everywhere against GC on the same step: ``"whole"`` (the default on accelerators) on a step
+   with a microbatch whose every sequence is zero, its layers' backward skipped -- a check;
+   and, reported without failing, whether this device's kernels keep stand-ins exact: every
+   zero sequence elided (``true``) in microbatches that keep others, and in that all-zero
+   microbatch with its layers' backward run over the stand-ins.
 2. Memory: HiLoRe at ``--budget`` after its warm-up, one metered step; its peak against the
    budget times GC's. On CUDA both ``max_memory_allocated`` and ``max_memory_reserved`` (the
    caching allocator's view: what the device really had to give), each against GC's own. The
@@ -27,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ds_hilore._errors import HiLoReError
 from ds_hilore.bench.frontier import make_steps
 from ds_hilore.bench.runs import build_model, close, lm_of, new_run, step, sync, warm
 
@@ -71,6 +78,43 @@ def _exactness(base, config, steps) -> dict[str, Any]:
     for method in ("hilore_all_h", "hilore_all_r"):
         diff = _max_diff(grads[method], grads["gc"])
         out[method] = {"max_abs_vs_gc": diff, "ok": diff <= noise}
+    return out
+
+
+# (what, elide_zero_rows, layers' backward skipped when it can be, step, a check or a report)
+ELISION = (("whole: a microbatch all zero", "whole", True, "one_group", True),
+           ("true: zero sequences beside others", True, True, "mixed", False),
+           ("true: a microbatch all zero, its backward run", True, False, "one_group", False))
+
+
+def _elision(base, config, steps, noise: float) -> dict[str, Any]:
+    """H everywhere under each setting of ``ELISION`` against GC on the same step."""
+    data = {"mixed": steps[0],  # groups of half a microbatch: each one keeps a group
+            "one_group": make_steps(base, dict(config, group_size=config["micro_batch"]))[0]}
+    refs, out = {}, {}
+    for what, setting, skip, name, counted in ELISION:
+        micro = data[name]
+        if name not in refs:
+            gc = new_run("gc", None, base, config)
+            refs[name] = _grads(gc, micro)
+            close(gc)
+        run = new_run("hilore_all_h", None, base, dict(config, elide_zero_rows=setting))
+        runtime = run.context.runtime
+        runtime.zero_backward_skip = skip
+        try:
+            _grads(run, micro)  # the discovery step
+            got = _grads(run, micro)
+            stats = runtime.stats
+            diff = _max_diff(got, refs[name])
+            entry = {"max_abs_vs_gc": diff, "ok": diff <= noise,
+                     "elided_sequences": sum(m.get("exact_zero_sequences", 0)
+                                             for m in stats["microbatches"]),
+                     "backward_skipped": int(stats.get("backward_skipped", 0))}
+        except HiLoReError as error:  # a leak caught by the runtime's checks
+            entry = {"error": str(error).splitlines()[0][:300], "ok": False}
+        finally:
+            close(run)
+        out[what] = dict(entry, check=counted)
     return out
 
 
@@ -126,8 +170,10 @@ def check(args) -> dict[str, Any]:
     config["layers_n"] = len(lm_of(base).get_decoder().layers)
     steps = make_steps(base, config)
     exact = _exactness(base, config, steps)
+    exact["elision"] = _elision(base, config, steps, exact["gc_vs_gc_max_abs"])
     memory = _memory(base, config, steps, args.budget)
     ok = (all(exact[m]["ok"] for m in ("hilore_all_h", "hilore_all_r"))
+          and all(e["ok"] for e in exact["elision"].values() if e["check"])
           and all(v for k, v in memory.items() if k.endswith("_ok")))
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     return {"device": device, "dtype": args.dtype, "torch": torch.__version__,
@@ -143,6 +189,12 @@ def _lines(result: dict[str, Any]) -> list[str]:
         e = exact[method]
         lines.append(f"  {method} vs GC: max |diff| {e['max_abs_vs_gc']:.3g} "
                      f"({'ok' if e['ok'] else 'FAILED'})")
+    for what, e in exact["elision"].items():
+        verdict = ("ok" if e["ok"] else "FAILED") if e["check"] else \
+            ("exact" if e["ok"] else "not exact (reported, not a check)")
+        found = e.get("error") or (f"max |diff| {e['max_abs_vs_gc']:.3g}, {e['elided_sequences']} "
+                                   f"sequences elided, {e['backward_skipped']} backward skipped")
+        lines.append(f"  elide_zero_rows {what}: {found} ({verdict})")
     for kind in ("allocated", "reserved"):
         if f"{kind}_ratio" in memory:
             lines.append(f"  hilore@{memory['budget']:g} peak {kind}: "

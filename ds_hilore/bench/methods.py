@@ -191,10 +191,10 @@ class Offload(Method):
 
 
 def _base_block(config: dict[str, Any]) -> dict[str, Any]:
-    """What every HiLoRe run's block carries: the codec backend, and --no-elision."""
+    """What every HiLoRe run's block carries: the codec backend, and --elide-zero-rows."""
     block = {"codec_backend": config["codec_backend"]}
-    if config.get("elide_zero_rows") is False:
-        block["elide_zero_rows"] = False
+    if config.get("elide_zero_rows", "auto") != "auto":
+        block["elide_zero_rows"] = config["elide_zero_rows"]
     return block
 
 

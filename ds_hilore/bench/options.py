@@ -61,7 +61,10 @@ PRESETS: dict[str, dict[str, Any]] = {  # published config.json numbers; random 
                        head_dim=256, vocab_size=262144, tie_word_embeddings=True,
                        sliding_window=512, rms_norm_eps=1e-6, max_position_embeddings=32768),
 }
+# --elide-zero-rows: the ds_config's key (NOTE [ Stand-ins on accelerators ])
+ELIDE_ZERO_ROWS = {"auto": "auto", "true": True, "whole": "whole", "false": False}
 # shape flags -> value; the defaults for every model, then a regime preset's own
+
 DEFAULT_SHAPE = dict(seq_len=256, micro_batch=8, group_size=8, grad_accum=2, zero_adv_share=0.5,
                      clip_share=0.1)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -170,7 +173,8 @@ def check_args(args) -> dict[str, Any]:
             "lora_r": None if args.full else args.lora_r, "codec_backend": args.codec_backend,
             "seed": args.seed, "batches": 2,
             "grad_error_tolerance": default_tolerance() if tolerance is None else tolerance,
-            "elide_zero_rows": False if getattr(args, "no_elision", False) else "auto",
+            "elide_zero_rows": ELIDE_ZERO_ROWS["false" if getattr(args, "no_elision", False)
+                                               else getattr(args, "elide_zero_rows", "auto")],
             "ds_init": bool(getattr(args, "ds_init", False)),
             "strict": bool(getattr(args, "strict", False))}
 
@@ -207,9 +211,14 @@ def add_arguments(parser) -> None:
                         help="the HiLoRe allocators' error budget (the ds_config's "
                              "grad_error_tolerance, 0 <= X < 1; default: its default, "
                              f"{default_tolerance()})")
+    parser.add_argument("--elide-zero-rows", choices=list(ELIDE_ZERO_ROWS), default="auto",
+                        help="every HiLoRe run's \"elide_zero_rows\": true (every sequence with "
+                             "zero loss coefficients), whole (only microbatches of such "
+                             "sequences, their layers' backward skipped: what accelerators get "
+                             "by default), false, auto (the default: true on CPU, whole on "
+                             "accelerators)")
     parser.add_argument("--no-elision", action="store_true",
-                        help="every HiLoRe run with \"elide_zero_rows\": false: sequences with "
-                             "zero loss coefficients are stored or recomputed like the others")
+                        help="the same as --elide-zero-rows false")
     parser.add_argument("--budgets", default="1.05,1.10,1.20",
                         help="memory budgets, multiples of GC's peak >= 1.0 (default 1.05,1.10,1.20)")
     parser.add_argument("--methods", default=None,

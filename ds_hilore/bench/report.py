@@ -31,6 +31,15 @@ class BenchReportError(Exception):
     """A saved report that cannot be read; one line naming the file."""
 
 
+_ELISION_LINES = {
+    False: "--elide-zero-rows false: no HiLoRe run elided a sequence or skipped a backward",
+    True: "--elide-zero-rows true: HiLoRe runs elided every sequence with zero loss "
+          "coefficients",
+    "whole": "--elide-zero-rows whole: HiLoRe runs elided only microbatches whose every "
+             "sequence has "
+             "zero loss coefficients, their layers' backward skipped"}
+
+
 def overlaps(report) -> list[tuple[str, str]]:
     def label(r):
         return r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}"
@@ -119,8 +128,9 @@ def table(report) -> str:
     if tolerance is not None:  # reports written before the flag do not say
         lines.append(f"HiLoRe's error budget (grad_error_tolerance): {tolerance:g} of the step's "
                      "gradient")
-    if report.get("config", {}).get("elide_zero_rows") is False:
-        lines.append("--no-elision: no HiLoRe run elided a sequence or skipped a backward")
+    elision = report.get("config", {}).get("elide_zero_rows", "auto")
+    if elision != "auto":
+        lines.append(_ELISION_LINES[elision if elision == "whole" else bool(elision)])
     for line in (_regime_line(report), _stop_line(report)):
         if line:
             lines.append(line)

@@ -349,8 +349,9 @@ class Scheduler:
                 n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         config = self.runtime.config
-        elide = bool(expected) and not stores_all(bucket) and \
-            self.runtime.elides(self._device()) and \
+        mode = self.runtime.elision_mode(self._device())  # NOTE [ Stand-ins on accelerators ]
+        elide = bool(expected) and not stores_all(bucket) and (mode == "rows" or (
+            mode == "whole" and not any(expected) and self.runtime.zero_backward_skip)) and \
             config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
         self.predicted_zero = False  # set by _plan_for_rows: from all-reduced values only
         if bucket.loo is None:

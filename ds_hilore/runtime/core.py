@@ -347,20 +347,22 @@ class HiLoReRuntime(Installation, Plans):
             self._summarise(mb)
         return out
 
-    def elides(self, device: torch.device) -> bool:
-        """Whether sequences with zero loss coefficients are elided on ``device``
-        (``elide_zero_rows``; NOTE [ Stand-ins on accelerators ] in elision.py)."""
+    def elision_mode(self, device: torch.device) -> str:
+        """What is elided on ``device`` (``elide_zero_rows``; NOTE [ Stand-ins on accelerators ]
+        in elision.py): ``"rows"`` every sequence whose loss coefficients are all zero,
+        ``"whole"`` only a microbatch whose every sequence is, and whose layers' backward is
+        then skipped, ``"off"`` nothing."""
         setting = self.config.elide_zero_rows
         if setting != "auto":
-            return setting
+            return {True: "rows", False: "off"}.get(setting, setting)
         if device.type == "cpu":
-            return True
+            return "rows"
         if not self._warned_elision:
             self._warned_elision = True
-            logger.info("ds_hilore: sequences with zero loss coefficients are not elided on %s "
-                        "(elide_zero_rows \"auto\"; set it to true to elide them there)",
-                        device.type)
-        return False
+            logger.info("ds_hilore: on %s only microbatches whose every sequence has zero loss "
+                        "coefficients are elided, their layers' backward skipped (elide_zero_rows "
+                        "\"auto\"; true elides every such sequence there)", device.type)
+        return "whole"
 
     def _without_cache(self, layer: LayerUnits, function, args: tuple):
         function, args, dropped = drop_cache(layer.module, function, args)

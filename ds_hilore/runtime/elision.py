@@ -27,9 +27,18 @@ On CPU the stand-ins of elided sequences (NOTE [ Exact zeros ] in storage.py) me
 backward formulas that turn a zero gradient into zeros, which the tests show bitwise. On one
 H200 (torch 2.11, bf16, a padded GRPO batch) the layers' backward over elided sequences gave
 them gradient anyway -- e after one layer, growing by ~1e8 a layer, or NaN -- with H or L units
-under the default attention kernels; never with recomputed units. The checks above caught it
-(NaN once they counted NaN), but a run that raises is no product, so ``elide_zero_rows`` is
-"auto": on where it is shown exact (CPU), off on accelerators until the kernel is found.
+under the default attention kernels. The checks above caught it (NaN once they counted NaN),
+but a run that raises is no product. A microbatch whose layers' backward is skipped (NOTE [ A
+backward of zeros ]) runs no kernel at all, so ``elide_zero_rows`` has three settings: "rows"
+(true) elides every zero sequence, "whole" elides only a microbatch whose every sequence is
+zero and only when its layers' backward will be skipped (``_may_skip``: the loss's own ω, a
+backward not measured, no ZeRO partitioning hooks), and false nothing. "auto" is "rows" where
+stand-ins are shown exact (CPU) and "whole" on accelerators: the A = 0 microbatches of GRPO,
+planned all R from the prediction, still cost no backward there. Should the skip not happen
+after all, ``_no_stand_ins`` sends every frame holding elided sequences to R before any layer's
+backward reads one. The scheduler elides at capture only what "whole" allows: a microbatch
+predicted zero in every sequence, planned all R, and only where the skip can happen (under
+ZeRO 1-3 it runs the bucket's plan: its backward runs anyway, and R would recompute it all).
 """
 
 from __future__ import annotations
@@ -74,8 +83,10 @@ class Elision:
         read = read_once([mass, held, self._take_late(), *unit_exposure.values()])  # the one read
         mass_read, held, late = read[:3]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
-        if not self.runtime.elides(frames[0].device):
-            zero = []  # nothing elided, no backward skipped: exposure alone is used
+        mode = self.runtime.elision_mode(frames[0].device)  # NOTE [ Stand-ins on accelerators ]
+        if mode == "off" or (mode == "whole" and not (
+                len(zero) == every and self._may_skip(mb, source))):
+            zero = []  # nothing elided here: exposure alone is used
         if segments is not None and len(zero) < every and \
                 not all(f.segments_independent for f in frames):
             zero = _trailing(zero, every)  # segments see earlier ones: only a zero tail
@@ -88,10 +99,13 @@ class Elision:
         # failed, and whether an earlier backward leaked
         all_zero, to_r, failed, leaked = _agree(
             self.runtime, frames, all_zero, lambda frame, every_zero: _verified(
-                frame, every_zero, zero, segments, source),
+                frame, every_zero, zero if every_zero or mode != "whole" else [], segments,
+                source),
             mb.check_failures(checks, held), any(v != 0 for v in late))
         if leaked:
             raise _late_error()
+        if mode == "whole" and not all_zero:
+            zero = []  # another rank keeps sequences: no skip, so nothing elided
         mb.fall_back(checks, failed)
         for frame in frames:
             self._elide(frame, to_r, all_zero, source, zero, segments, keep)
@@ -144,6 +158,8 @@ class Elision:
             self._on_hidden_grad(mb, grad)
             self._check_at_top(mb, grad)
             mb.skip_layers_backward = self._skips_layers(mb)
+            if not mb.skip_layers_backward:
+                self._no_stand_ins(mb)
             if self.runtime.policy is not None:
                 self.runtime.policy.top_grad(mb, grad)
             return
@@ -186,6 +202,21 @@ class Elision:
         frames = mb.live_frames()
         return bool(frames) and all(f.skip_zero_recompute and f.elision_checked
                                     and len(f.elided_rows) == f.batch for f in frames)
+
+    def _may_skip(self, mb, source: str) -> bool:
+        """Whether a microbatch whose every sequence is zero will skip its layers' backward
+        (``_skips_layers``), as far as is known before the backward; the same on every rank."""
+        return self.runtime.zero_backward_skip and source == "analytic" and \
+            mb.profile is None and mb.timing is None
+
+    def _no_stand_ins(self, mb) -> None:
+        """Where only whole microbatches are elided (NOTE [ Stand-ins on accelerators ]), a
+        backward that runs reads no stand-in: a frame still holding elided sequences (a case
+        ``_may_skip`` did not foresee) recomputes them. The same on every rank: elision there
+        was agreed on by all."""
+        frames = [f for f in mb.live_frames() if f.elided_rows or f.skip_zero_recompute]
+        if frames and self.runtime.elision_mode(frames[0].device) == "whole":
+            self._fall_back(frames)
 
     def _decide(self, leaks: bool, collective: bool) -> bool:
         if collective and self.runtime.collective is not None:  # one decision for all ranks

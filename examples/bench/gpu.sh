@@ -9,9 +9,10 @@
 # output), versions.txt, device_check.json, bench.json, bench.png. Steps:
 #   1. torch and its CUDA device, as found (never reinstalled);
 #   2. what is missing -- deepspeed first -- installed from the wheels folder with
-#      `pip install --no-index --no-deps`, then this checkout with `pip install --no-deps -e .`;
+#      `pip install --no-index --no-deps`; this checkout goes on PYTHONPATH;
 #   3. the versions used;
-#   4. exactness (H and R against GC, bf16, bitwise) and the CUDA peak, allocated and reserved,
+#   4. exactness (H and R against GC, bf16, bitwise; elision: NOTE [ Stand-ins on accelerators ])
+#      and the CUDA peak, allocated and reserved,
 #      against the budget (python -m ds_hilore.bench.device_check);
 #   5. the bench: qwen2.5-1.5b widths, all 28 layers, bf16, LoRA r=16, responses up to 2048
 #      tokens after a prompt, micro-batch 4, 2 microbatches per step, budget 1.10, paired rounds
@@ -26,7 +27,7 @@ WHEELS="${1:-${HILORE_WHEELS:-$REPO/examples/bench/wheels}}"
 OUT="${OUT:-$REPO/output/gpu-bench}"
 PY="${PYTHON:-python3}"
 MINUTES="${HILORE_GPU_MINUTES:-9}"
-read -r -a EXTRA <<< "${HILORE_BENCH_FLAGS:-}"  # more bench flags, e.g. --no-elision
+read -r -a EXTRA <<< "${HILORE_BENCH_FLAGS:-}"  # more bench flags, e.g. --elide-zero-rows false
 START="$(date +%s)"
 
 mkdir -p "$OUT"
