@@ -138,10 +138,11 @@ def test_memory_and_budgets(bench):
         assert row["within_budget"] == (row["peak_bytes"] <= row["budget"] * report["gc_peak_bytes"])
     # NOTE [ One baseline for every run ] (bench/runs.py): the allocators profile in the same
     # process memory whatever their warm-up order, so they plan for one absolute budget (up to
-    # Python's own jitter); before, each later run's included the earlier runs' optimizer state
-    # and gradients (0.3 % apart here)
+    # the heap's own jitter: 0.01-0.02 % alone, 0.17 % seen once late in a loaded suite);
+    # before, each later run's included the earlier runs' optimizer state and gradients (0.3 %
+    # apart here)
     budgets = [_runs(report, m)[0]["allocator"]["budget_bytes"] for m in ("static", "hr", "hilore")]
-    assert max(budgets) - min(budgets) <= 1e-3 * max(budgets), budgets
+    assert max(budgets) - min(budgets) <= 2e-3 * max(budgets), budgets
 
 
 def test_gradient_errors(bench):

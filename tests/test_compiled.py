@@ -13,6 +13,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn as nn
 
 import ds_hilore
 from models import batch, beyond_gc, gc_loss_and_grads, loss_and_grads, tiny_model
@@ -133,3 +134,33 @@ def test_scheduler_runs_compiled_layers_from_the_first_microbatch():
     eager_got, eager_stats = _run(None, lambda model: None, steps=1)
     assert stats["actions"]["R"] == 4 and stats["recomputed_units"] == 4 and stats == eager_stats
     assert all(torch.equal(got[k], eager_got[k]) for k in eager_got)
+
+
+def _checkpointing_call(self, *args, **kwargs):
+    """``GradientCheckpointingLayer.__call__`` of transformers 5.17 (caches aside): the layer's
+    whole ``nn.Module.__call__`` goes to the checkpoint function, where 5.25 hands it
+    ``forward``."""
+    if self.gradient_checkpointing and self.training:
+        return self._gradient_checkpointing_func(
+            functools.partial(nn.Module.__call__.__get__(self), **kwargs), *args)
+    return nn.Module.__call__(self, *args, **kwargs)
+
+
+@pytest.mark.parametrize("plan", ["H", "R"])
+def test_a_compiled_layer_call_handed_to_the_checkpoint_function_runs_eagerly(
+        plan, monkeypatch, caplog):
+    # transformers that checkpoint __call__ reach the runtime outside the graph under
+    # layer.compile(), with a call that runs the compiled graph: stored bytes and recompute
+    # followed the graph's saved tensors (H stored more, R refused the layer)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if "__call__" not in vars(GradientCheckpointingLayer):  # a release that wraps forward
+        monkeypatch.setattr(LlamaDecoderLayer, "forward", LlamaDecoderLayer.forward.__wrapped__)
+        monkeypatch.setattr(LlamaDecoderLayer, "__call__", _checkpointing_call, raising=False)
+    caplog.set_level(logging.WARNING, logger="ds_hilore")
+    eager = _run(plan, lambda model: None)
+    assert not [r for r in caplog.records if TOLD in r.getMessage()]
+    compiled = _run(plan, _layer_compile("aot_eager"))
+    _assert_same(compiled, eager, plan)
+    assert len([r for r in caplog.records if TOLD in r.getMessage()]) == 1

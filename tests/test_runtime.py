@@ -214,11 +214,17 @@ def test_shared_storages_are_counted_once():
     assert runtime.stats["bytes"]["H"] == h_bytes - r_bytes
 
 
+def _checkpointing(model) -> bool:
+    """HF's flag: ``is_activation_checkpointing`` where transformers has it (5.25 does),
+    ``is_gradient_checkpointing`` where it does not (5.17)."""
+    return getattr(model, "is_activation_checkpointing", model.is_gradient_checkpointing)
+
+
 def test_gradient_checkpointing_toggle_and_no_grad():
     model = _build("llama", lora=False)
     runtime = ds_hilore.attach(model, EXACT_CONFIG)
     inputs = batch()
-    assert runtime.enabled and model.is_activation_checkpointing
+    assert runtime.enabled and _checkpointing(model)
     with torch.no_grad():
         model(**inputs)
     assert runtime.stats["microbatches"] == []  # nothing captured without gradients
@@ -238,6 +244,9 @@ def test_gradient_checkpointing_toggle_and_no_grad():
 
 def test_activation_checkpointing_names_switch_too():
     model = _build("qwen2", lora=False)
+    if not hasattr(model, "activation_checkpointing_disable"):
+        pytest.skip("this transformers has no activation_checkpointing_* names (5.17 has not, "
+                    "5.25 has)")
     runtime = ds_hilore.attach(model, EXACT_CONFIG)
     model.activation_checkpointing_disable()
     assert not runtime.enabled
@@ -252,7 +261,7 @@ def test_detach_after_switching_off_leaves_checkpointing_off():
     runtime = ds_hilore.attach(model, EXACT_CONFIG)
     model.gradient_checkpointing_disable()
     runtime.detach()
-    assert not model.is_activation_checkpointing
+    assert not _checkpointing(model)
 
 
 def test_detach_restores_the_model():
@@ -276,7 +285,7 @@ def test_disabled_config_leaves_the_model_alone():
     model = _build("llama", lora=False)
     runtime = ds_hilore.attach(model, {"enabled": False})
     assert not runtime.enabled and runtime.units == ()
-    assert not model.is_activation_checkpointing
+    assert not _checkpointing(model)
 
 
 def test_unit_names_and_kinds():

@@ -50,8 +50,8 @@ from ds_hilore.bench.options import (DEFAULT_METHODS, MAX_ROUNDS, PRESETS, Bench
                                      add_arguments, check_args, parse_budgets)
 from ds_hilore.bench.paired import MIN_ROUNDS
 from ds_hilore.bench.report import plot, table
-from ds_hilore.bench.runs import (Run, build_model, close, first_line, lm_of, logprobs,
-                                  measure_peak, new_run, progress, step, sync, warm)
+from ds_hilore.bench.runs import (Run, build_model, close, collect, first_line, lm_of,
+                                  logprobs, measure_peak, new_run, progress, step, sync, warm)
 from ds_hilore.bench.targets import decisive
 
 __all__ = ["DEFAULT_METHODS", "PRESETS", "BenchError", "add_arguments", "check_args",
@@ -138,6 +138,7 @@ def _setup_runs(base, config, steps) -> tuple[list[Run], int, dict]:
 
 def _warm_up(live: list[Run], steps, device: str, strict: bool) -> None:
     for run in live:
+        collect()  # NOTE [ One baseline for every run ] (runs.py)
         begin, done = time.perf_counter(), False
         try:
             while not done and run.warmup_steps < MAX_WARMUP:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import sys
 import warnings
 from typing import Any
@@ -234,6 +235,9 @@ def new_run(method: str, budget, base, config, extra=None) -> Run:
 # warm-up order). So every optimizer's state exists from the run's creation and no run keeps
 # its gradients past its step: outside a step, the process holds the same bytes whichever run
 # profiles, warms up or is measured, and every budgeted run gets the same absolute budget.
+# Garbage is collected before each run's warm-up and metered step (``collect``): a tensor
+# kept alive by a reference cycle until the collector's next pass would count in one run's
+# baseline and not in another's.
 def _state_now(optimizer: torch.optim.Optimizer) -> None:
     """AdamW's per-parameter state (step 0, zero moments) made now, as its first step would
     make it: the update is unchanged (the moments start at zero, the step count at 0)."""
@@ -259,6 +263,13 @@ def close(run: Run) -> None:
     run.model = run.context = run.optimizer = None
 
 
+def collect() -> None:
+    """Python's cyclic garbage collected now (NOTE [ One baseline for every run ]): tensors held
+    by reference cycles (autograd graphs, frames) otherwise live until the collector's next
+    pass, which comes after a count of Python allocations, not at the same point of every run."""
+    gc.collect()
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -273,6 +284,7 @@ def measure_peak(run: Run, micro_batches, device: str) -> tuple[int, int]:
     from ds_hilore.runtime.memory import PeakMeter
 
     run.model.zero_grad(set_to_none=True)
+    collect()
     sync(device)
     with PeakMeter(device) as meter:
         step(run, micro_batches)

@@ -20,7 +20,7 @@ import torch
 from ds_hilore.runtime import discovery
 from ds_hilore.runtime.calls import hidden_input
 from ds_hilore.runtime.registry import ATTACHED
-from ds_hilore.runtime.units import LayerUnits, is_checkpointing_layer
+from ds_hilore.runtime.units import LayerUnits, eager_call, is_checkpointing_layer
 
 logger = logging.getLogger("ds_hilore")
 
@@ -32,6 +32,7 @@ class _LayerCall:
         self.runtime, self.layer = runtime, layer
 
     def __call__(self, function, *args, **kwargs):
+        function = eager_call(self.runtime, function)  # NOTE [ Compiled layers ] (units.py)
         if kwargs:
             function = functools.partial(function, **kwargs)
         return self.runtime._run_layer(self.layer, function, args)

@@ -24,7 +24,9 @@ tensor and child call; traced, the saved tensors are those of the compiled graph
 the wrong units, and a recompute no longer matches its forward. So the runtime's entry points
 are kept out of the graph (``outside_compile``): dynamo breaks the graph there and the layer's
 forward runs eagerly under HiLoRe, every action exact as without compilation, the rest of the
-model compiled; the runtime says so once. Chosen over running compiled layers as plain gradient
+model compiled; the runtime says so once. transformers releases that checkpoint ``__call__``
+(5.17) reach the runtime outside the graph under ``layer.compile()``, with a call that would
+run the compiled graph: ``eager_call`` hands the layer's eager ``_call_impl`` instead. Chosen over running compiled layers as plain gradient
 checkpointing inside the graph: that would keep the layers compiled, but HiLoRe would then do
 nothing for them while its plan, memory budget and stats went on describing units it cannot
 see. A user who prefers compiled layers to HiLoRe detaches it and uses torch's checkpointing.
@@ -158,19 +160,23 @@ def public_name(name: str) -> str:
     return name
 
 
+def _say_eager(runtime) -> None:
+    if runtime not in _TOLD_COMPILED:
+        _TOLD_COMPILED.add(runtime)
+        logger.warning(
+            "ds_hilore: the model's decoder layers run under torch.compile; HiLoRe runs each "
+            "decoder layer's forward eagerly (out of the compiled graph: its per-unit capture "
+            "needs Python hooks) and the rest of the model compiled. To keep the layers "
+            "compiled instead, detach HiLoRe (runtime.detach()) and use gradient checkpointing.")
+
+
 def outside_compile(method):
     """Decorates a runtime method that torch.compile may reach while tracing: traced, it is
     called eagerly, out of the graph, and the runtime says so once (NOTE [ Compiled layers ])."""
 
     @torch._dynamo.disable(recursive=True)
     def eagerly(runtime, *args):
-        if runtime not in _TOLD_COMPILED:
-            _TOLD_COMPILED.add(runtime)
-            logger.warning(
-                "ds_hilore: the model's decoder layers run under torch.compile; HiLoRe runs each "
-                "decoder layer's forward eagerly (out of the compiled graph: its per-unit capture "
-                "needs Python hooks) and the rest of the model compiled. To keep the layers "
-                "compiled instead, detach HiLoRe (runtime.detach()) and use gradient checkpointing.")
+        _say_eager(runtime)
         return method(runtime, *args)
 
     @functools.wraps(method)
@@ -179,6 +185,23 @@ def outside_compile(method):
             return eagerly(runtime, *args)
         return method(runtime, *args)
     return call
+
+
+def eager_call(runtime, function):
+    """``function`` -- what a layer hands its checkpoint function -- with a ``layer.compile()``'d
+    module call replaced by the module's eager one (NOTE [ Compiled layers ]). transformers
+    releases that checkpoint ``__call__`` rather than ``forward`` (5.17 does) reach the runtime
+    outside the graph, with a function that would run the compiled ``_call_impl`` inside
+    HiLoRe's capture."""
+    call = function.func if isinstance(function, functools.partial) else function
+    module = getattr(call, "__self__", None)
+    if getattr(call, "__func__", None) is not nn.Module.__call__ or \
+            getattr(module, "_compiled_call_impl", None) is None:
+        return function
+    _say_eager(runtime)
+    if isinstance(function, functools.partial):
+        return functools.partial(module._call_impl, *function.args, **function.keywords)
+    return module._call_impl
 
 
 def is_checkpointing_layer(module: nn.Module) -> bool:
