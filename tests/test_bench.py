@@ -49,6 +49,8 @@ def test_schema_and_every_method(bench):
                            "comparisons", "regime", "stop", "targets"}
     assert isinstance(report["gc_peak_bytes"], int) and report["gc_peak_bytes"] > 0
     assert report["profile_s"] > 0  # HiLoRe's warm-up was timed, on its own line
+    assert report["host"]["codec_compile_failures"] == {}  # eager: nothing to compile
+    assert report["stop"]["reason"] == "rounds"  # not the "running" of a report saved mid-way
     assert (out / "b.png").stat().st_size > 0
     for name, method in METHODS.items():
         rows = _runs(report, name)
@@ -63,6 +65,7 @@ def test_schema_and_every_method(bench):
         assert 0 < t["min"] <= t["median"] <= t["max"], name
         assert row["peak_bytes"] > 0 and row["activation_peak_bytes"] >= 0, name
         assert row["cpu_s"]["median"] > 0, name
+        assert row["warmed"] is True, name  # every warm-up ended before its cap
         assert row["grad_err"]["mean"] >= 0 and row["grad_err"]["max"] >= row["grad_err"]["mean"]
     assert set(report["efficiency"]) == {"hilore_all_r_vs_gc", "hilore_all_h_vs_nogc"}
     offload = _runs(report, "offload")[0]
@@ -219,6 +222,42 @@ def _brute_interval(logs):
         k += 1
     walsh = sorted((logs[i] + logs[j]) / 2 for i in range(n) for j in range(i, n))
     return (None, None) if k < 1 else (math.exp(walsh[k - 1]), math.exp(walsh[-k]))
+
+
+def test_an_interrupt_ends_the_rounds_and_each_round_was_saved(monkeypatch):
+    """SIGINT (what ``timeout`` sends the GPU script's bench) in round 3 ends the rounds: the
+    two completed are reported, and each was handed to ``saved`` as it completed."""
+    from ds_hilore.bench import frontier
+
+    def one_round(live, index, data, step_index):
+        if index == 2:
+            raise KeyboardInterrupt
+        return {"round": index, "wall_s": {"gc": 1.0}, "cpu_s": {"gc": 1.0}}
+
+    monkeypatch.setattr(frontier, "_one_round", one_round)
+    saved = []
+    records, stop = frontier._rounds([object()], [[None]], {"rounds": 5, "max_minutes": None},
+                                     time.perf_counter(), lambda records: {"runs": []},
+                                     lambda records: saved.append(len(records)))
+    assert [r["round"] for r in records] == [0, 1] and saved == [1, 2]
+    assert stop == {"reason": "interrupted", "undecided": []}
+    assert "2 paired rounds (interrupted)" in report_module._stop_line(
+        {"stop": stop, "rounds": records})
+
+
+def test_a_codec_that_fell_back_to_eager_is_reported(monkeypatch):
+    """A codec kernel whose compilation failed runs eager; the report says which and why."""
+    from ds_hilore.bench import summary
+    from ds_hilore.runtime.codecs import CODECS
+
+    kernel = CODECS["int8"].encode
+    monkeypatch.setattr(kernel, "failure", "InductorError: no compiler")
+    host = summary._host({"device": "cpu"})
+    assert host["codec_compile_failures"] == {kernel.name: "InductorError: no compiler"}
+    line = [x for x in report_module.table({"gc_peak_bytes": 1, "runs": [], "profile_s": 0.0,
+                                            "host": host, "config": {}}).splitlines()
+            if "torch.compile failed" in x]
+    assert line and kernel.name in line[0]
 
 
 def test_rounds_hold_every_raw_sample_and_rotate(bench):

@@ -298,8 +298,8 @@ def test_without_elision_an_intermediate_loss_is_exact_and_no_backward_is_skippe
 
 
 @pytest.mark.parametrize("setting, cpu, accelerator", [
-    ("auto", "rows", "whole"), (True, "rows", "rows"), ("whole", "whole", "whole"),
-    (False, "off", "off")])
+    ("auto", True, "whole"), (True, True, True), ("whole", "whole", "whole"),
+    (False, False, False)])
 def test_elision_auto_elides_rows_on_cpu_and_whole_microbatches_on_accelerators(
         setting, cpu, accelerator, caplog):
     # NOTE [ Stand-ins on accelerators ]: auto elides rows where stand-ins are shown exact

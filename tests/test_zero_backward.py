@@ -6,10 +6,11 @@ step after a step of zeros only."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
-from models import VOCAB, equal_utilities, one_torch_thread, planner_model
+from models import VOCAB, equal_utilities, one_torch_thread, planner_model, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ds_hilore
@@ -207,8 +208,70 @@ def test_whole_elision_recomputes_when_the_skip_does_not_happen_after_all(nan_st
         runtime.detach()
 
 
+def test_whole_elision_skips_nothing_whose_forward_was_not_gated(nan_stand_ins, monkeypatch):
+    """The opposite switch: off at the forward (no gate on the last layer's output), on by the
+    loss. Nothing is elided for a skip that cannot happen: the backward runs the plan."""
+    model = planner_model()
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, {"force_plan": "H", "low_precision": "none",
+                                       "elide_zero_rows": "whole"})
+    try:
+        _microbatch(model, 0, SPREAD)  # discovery
+        runtime.end_step()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        runtime.zero_backward_skip = False
+        loss = policy_loss
+
+        def switched_on(*args, **kwargs):
+            runtime.zero_backward_skip = True
+            return loss(*args, **kwargs)
+        monkeypatch.setattr(sys.modules[__name__], "policy_loss", switched_on)
+        _microbatch(model, 1, ZERO)
+        monkeypatch.undo()
+        runtime.end_step()
+        stats = runtime.stats
+        _microbatch(ref, 1, ZERO)
+        assert _same(_grads(model), _grads(ref)) and _finite(_grads(model))
+        assert stats["backward_skipped"] == 0 and stats["actions"]["E"] == 0, stats
+    finally:
+        runtime.detach()
+
+
+@pytest.mark.parametrize("mode", ["whole", True])
+def test_a_packed_row_of_zero_sequences_skips_its_layers_backward(mode):
+    """A packed row (three sequences in one row) whose every sequence is zero skips its layers'
+    backward as a batch of rows does: the skip counts no rows, only what the ranks agreed."""
+    model = tiny_model("llama", dropout=False)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.cat([torch.arange(n) for n in (8, 10, 6)])[None]
+
+    def microbatch(m, advantage: float) -> None:
+        logits = m(input_ids=ids, position_ids=position_ids, use_cache=False).logits.float()
+        logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        policy_loss(logp, logp.detach(), torch.tensor([advantage]), mask, model=m).loss.backward()
+
+    runtime = ds_hilore.attach(model, {"force_plan": "H", "low_precision": "none",
+                                       "elide_zero_rows": mode})
+    try:
+        microbatch(model, 1.0)  # discovery
+        runtime.end_step()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            microbatch(m, 0.0)
+        runtime.end_step()
+        stats = runtime.stats
+        assert stats["microbatches"][0]["exact_zero_sequences"] == 3, stats  # the segments
+        assert stats["backward_skipped"] == 1, stats
+        assert _same(_grads(model), _grads(ref))
+    finally:
+        runtime.detach()
+
+
 def test_elided_rows_read_stand_ins_where_whole_elision_reads_none(nan_stand_ins):
-    """The control for the two tests above: with every zero sequence elided ("rows", CPU's
+    """The control for the two tests above: with every zero sequence elided (true, CPU's
     default) the partly zero microbatch's backward reads its stand-ins."""
     model = planner_model()
     runtime = ds_hilore.attach(model, {"force_plan": "H", "low_precision": "none",
@@ -227,7 +290,7 @@ def test_elided_rows_read_stand_ins_where_whole_elision_reads_none(nan_stand_ins
 
 @pytest.mark.parametrize("mode", [True, "whole"])
 def test_the_plan_elides_at_capture_what_the_setting_allows(mode, monkeypatch):
-    """The allocator's plan from a prediction: "rows" elides the sequences predicted zero at
+    """The allocator's plan from a prediction: true elides the sequences predicted zero at
     capture; "whole" only a microbatch predicted zero in every sequence (planned all R and its
     backward skipped), and only where that backward can be skipped: under ZeRO 1-3 it runs its
     plan. Gradients exact either way."""
@@ -274,7 +337,7 @@ def test_the_plan_elides_at_capture_what_the_setting_allows(mode, monkeypatch):
             elif skip:  # predicted zero: all R, its backward skipped, in both settings
                 assert not rows_elided and stats["actions"]["R"] == 4, stats
                 assert stats["backward_skipped"] == 1, stats
-            else:  # its backward runs: "rows" reads stand-ins, "whole" the plan's kept units
+            else:  # its backward runs: true reads stand-ins, "whole" the plan's kept units
                 assert stats["backward_skipped"] == 0, stats
                 assert (stats["actions"]["R"] == 4) == (mode is True), stats
     finally:

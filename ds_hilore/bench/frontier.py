@@ -38,6 +38,7 @@ GC peak it measures while profiling; ``within_budget`` uses the bench's GC peak.
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -152,7 +153,7 @@ def _warm_up(live: list[Run], steps, device: str, strict: bool) -> None:
             close(run)
             continue
         sync(device)
-        run.profile_s = time.perf_counter() - begin
+        run.profile_s, run.warmed = time.perf_counter() - begin, done
         progress(f"warm-up {run.label}: {run.warmup_steps} step(s), {run.profile_s:.2f} s"
                  + ("" if done else " (HiLoRe still planning: stopped at the cap)"))
 
@@ -232,9 +233,12 @@ def bucket_plans(runtime) -> dict[str, dict[str, str]] | None:
             for key, bucket in policy.buckets.items() if bucket.plan is not None}
 
 
-def _rounds(live, steps, config, begin: float, provisional) -> tuple[list[dict], dict]:
+def _rounds(live, steps, config, begin: float, provisional,
+            saved=None) -> tuple[list[dict], dict]:
     """Paired rounds, fixed or until decided (``auto``); the records and why they stopped,
-    with the decisive comparisons left undecided."""
+    with the decisive comparisons left undecided. ``saved(records)`` after each round (the
+    report so far, kept should the process be ended); an interrupt (SIGINT, as ``timeout``
+    sends) ends the rounds, and the ones completed are reported."""
     auto = config["rounds"] == "auto"
     target = MAX_ROUNDS if auto else config["rounds"]
     minutes = config["max_minutes"] or (AUTO_MINUTES if auto else None)
@@ -249,7 +253,14 @@ def _rounds(live, steps, config, begin: float, provisional) -> tuple[list[dict],
         k = len(records)
         progress(f"round {k + 1}{'' if auto else '/' + str(target)}: one step of each of "
                  f"{len(live)} runs")
-        records.append(_one_round(live, k, steps[k % len(steps)], k % len(steps)))
+        try:
+            records.append(_one_round(live, k, steps[k % len(steps)], k % len(steps)))
+        except KeyboardInterrupt:
+            progress(f"interrupted in round {k + 1}: reporting the {k} round(s) completed")
+            reason = "interrupted"
+            break
+        if saved is not None:
+            saved(records)
         if auto and len(records) >= MIN_ROUNDS and all(
                 c["decided"] for c in decisive(provisional(records))):
             reason = "decided"
@@ -259,8 +270,9 @@ def _rounds(live, steps, config, begin: float, provisional) -> tuple[list[dict],
     return records, {"reason": reason, "undecided": left}
 
 
-def run_bench(config: dict[str, Any]) -> dict[str, Any]:
-    """Everything the bench measures, as the JSON document (see the module docstring)."""
+def run_bench(config: dict[str, Any], save=None) -> dict[str, Any]:
+    """Everything the bench measures, as the JSON document (see the module docstring);
+    ``save(document)`` is also handed the document so far after each paired round."""
     begin, device = time.perf_counter(), config["device"]
     progress(f"building {config['model']} ({config['dtype']}, {device}, "
              f"{'full fine-tuning' if config['full'] else 'LoRA r=' + str(config['lora_r'])})")
@@ -282,7 +294,13 @@ def run_bench(config: dict[str, Any]) -> dict[str, Any]:
     def provisional(records):
         return summary.report(config, runs, gc_peak, steps, block_k, records)
 
-    records, stop = _rounds(live, steps, config, begin, provisional)
+    def saved(records):
+        document = provisional(records)
+        document["stop"] = {"reason": "running", "undecided": []}
+        save(document)
+
+    records, stop = _rounds(live, steps, config, begin, provisional,
+                            None if save is None else saved)
     for run in runs:
         close(run)
     end_group()
@@ -296,16 +314,21 @@ def run_bench(config: dict[str, Any]) -> dict[str, Any]:
 def main(config: dict[str, Any], json_path: str | None, plot_path: str | None) -> int:
     if config.get("threads"):
         torch.set_num_threads(config["threads"])
-    try:
-        report = run_bench(config)
-    finally:
-        end_group()
-    print(table(report))
-    if json_path:
-        with open(json_path, "w", encoding="utf-8") as handle:
+
+    def save(report) -> None:  # whole or not at all: written aside, then renamed
+        with open(json_path + ".tmp", "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)
             handle.write("\n")
+        os.replace(json_path + ".tmp", json_path)
+
+    try:
+        report = run_bench(config, save if json_path else None)
+    finally:
+        end_group()
+    if json_path:  # before the table: a table that fails loses nothing
+        save(report)
         progress(f"wrote {json_path}")
+    print(table(report))
     if plot_path:
         plot(report, plot_path)
         progress(f"wrote {plot_path}")

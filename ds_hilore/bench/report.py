@@ -88,7 +88,8 @@ def _stop_line(report) -> str | None:
     if not stop:
         return None
     why = {"rounds": "the requested count", "decided": "every decisive comparison decided",
-           "max_minutes": "--max-minutes reached"}.get(stop["reason"], stop["reason"])
+           "max_minutes": "--max-minutes reached", "running": "the bench still running",
+           "interrupted": "interrupted"}.get(stop["reason"], stop["reason"])
     left = f"; left undecided: {', '.join(stop['undecided'])}" if stop.get("undecided") else ""
     return f"{rounds} paired rounds ({why}){left}"
 
@@ -117,6 +118,8 @@ def table(report) -> str:
             mix += f" ({r['note']})"
         if r.get("measured_once"):
             mix += " (same run as first budget)"
+        if r.get("warmed") is False:
+            mix += " (warm-up stopped at its cap, still planning)"
         lines.append(
             f"{r['method']:<14} {budget:>6} | {t['median']:>10.1f} {t['min']:>9.1f} {t['max']:>9.1f} | "
             f"{_vs_gc(r):>23} | {r['peak_bytes'] / MiB:>8.1f} {r['peak_bytes'] / gc_peak:>5.2f} "
@@ -130,7 +133,11 @@ def table(report) -> str:
                      "gradient")
     elision = report.get("config", {}).get("elide_zero_rows", "auto")
     if elision != "auto":
-        lines.append(_ELISION_LINES[elision if elision == "whole" else bool(elision)])
+        lines.append(_ELISION_LINES[elision])
+    failed = report.get("host", {}).get("codec_compile_failures")
+    if failed:
+        lines.append("codec kernels whose torch.compile failed, run eager (L's figures are the "
+                     "eager codec's): " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     for line in (_regime_line(report), _stop_line(report)):
         if line:
             lines.append(line)

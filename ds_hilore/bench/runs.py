@@ -40,6 +40,7 @@ class Run:
     cpu_s: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> CPU seconds
     profile_s: float = 0.0
     warmup_steps: int = 0
+    warmed: bool = True  # False: the warm-up stopped at its cap with HiLoRe still planning
     peak_bytes: int | None = None
     activation_peak_bytes: int | None = None
     grad_errs: list[float] = dataclasses.field(default_factory=list)  # per step

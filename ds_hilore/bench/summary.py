@@ -14,6 +14,7 @@ from ds_hilore.bench import paired
 from ds_hilore.bench.methods import METHODS
 from ds_hilore.bench.report import efficiency
 from ds_hilore.bench.targets import label, samples, targets
+from ds_hilore.runtime.codecs import compile_failures
 
 __all__ = ["comparisons", "regime", "report"]
 
@@ -31,6 +32,8 @@ def _host(config) -> dict[str, Any]:
         pass
     if config["device"] == "cuda":
         host["gpu"] = torch.cuda.get_device_name()
+    # a codec kernel whose compilation failed ran eager: L's figures are then the eager codec's
+    host["codec_compile_failures"] = compile_failures()
     return host
 
 
@@ -89,7 +92,7 @@ def _row(run, gc_peak: int, tokens: dict[int, int], nogc_flops) -> dict[str, Any
         "recomputed_flops": recomputed_flops(src.microbatch_flops, nogc_flops),
         "update_flops": None if src.microbatch_flops is None else sum(src.microbatch_flops),
         "skipped": None if wall else "no timed round",
-        "profile_s": src.profile_s, "warmup_steps": src.warmup_steps,
+        "profile_s": src.profile_s, "warmup_steps": src.warmup_steps, "warmed": src.warmed,
     })
     if src.note:
         row["note"] = src.note

@@ -204,9 +204,10 @@ def _hilore_engine_class(base: type) -> type:
 class HiLoReEngineMixin:
     """Hooks on a DeepSpeed engine; the class of an engine is switched to include it.
 
-    * ``step``: ``hilore.end_step()`` once per optimizer step, i.e. when DeepSpeed's
-      ``global_steps`` advanced (gradient-accumulation micro-steps do not count; an fp16
-      overflow-skipped step does, as DeepSpeed counts it).
+    * ``step``: ``hilore.check_late()`` before the optimizer step, on every rank (a leak into
+      elided sequences on any rank stops all of them); ``hilore.end_step()`` once per optimizer
+      step, i.e. when DeepSpeed's ``global_steps`` advanced (gradient-accumulation micro-steps
+      do not count; an fp16 overflow-skipped step does, as DeepSpeed counts it).
     * ``save_checkpoint`` / ``load_checkpoint``: carry the runtime's learned state in
       DeepSpeed's own ``client_state`` (NOTE [ HiLoRe state in checkpoints ]).
     * ``backward`` under ZeRO-3: parameter states after it as DeepSpeed alone leaves them
@@ -246,6 +247,8 @@ class HiLoReEngineMixin:
                 released[0].all_gather(param_list=released)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_gradient_accumulation_boundary():  # the same on every rank
+            self.hilore.check_late()
         steps_before = self.global_steps
         result = super().step(*args, **kwargs)
         if self.global_steps != steps_before:

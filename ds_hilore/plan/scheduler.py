@@ -350,7 +350,7 @@ class Scheduler:
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         config = self.runtime.config
         mode = self.runtime.elision_mode(self._device())  # NOTE [ Stand-ins on accelerators ]
-        elide = bool(expected) and not stores_all(bucket) and (mode == "rows" or (
+        elide = bool(expected) and not stores_all(bucket) and (mode is True or (
             mode == "whole" and not any(expected) and self.runtime.zero_backward_skip)) and \
             config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
         self.predicted_zero = False  # set by _plan_for_rows: from all-reduced values only

@@ -490,6 +490,12 @@ CODECS: Mapping[str, CodecSpec] = MappingProxyType({
         summary="float8 e4m3fn, absmax scale mapped to 448 per token or per block of a row"),
 })
 
+
+def compile_failures() -> dict[str, str]:
+    """Codec kernel -> why its torch.compile failed (it runs eager since), over every format."""
+    return {kernel.name: kernel.failure for spec in CODECS.values() for kernel in spec.kernels()
+            if kernel.failure is not None}
+
 # option (named as its config key) -> (config key, check, what is allowed)
 _OPTION_RULES: Mapping[str, tuple[str, Callable[[Any], bool], str]] = MappingProxyType({
     "fp8_scaling": ("fp8_scaling", lambda v: v in ("token", "block"), "'token' or 'block'"),

@@ -242,6 +242,12 @@ class HiLoReRuntime(Installation, Plans):
             for unit, (action, nbytes) in zip(self._units, units):
                 unit.action, unit.nbytes = action, nbytes
 
+    def check_late(self) -> None:
+        """Before an optimizer step, on every rank at the same point: raises on every rank if
+        a backward on any rank sent gradient to elided sequences (NOTE [ Collective elision ]
+        in elision.py)."""
+        self._elision.flush_late(collective=True)
+
     def end_step(self) -> None:
         """Close the optimizer step: ``stats`` now reports it. Raises if a backward since the
         last read sent gradient to elided sequences (NOTE [ Checked elision ] in elision.py)."""
@@ -338,7 +344,7 @@ class HiLoReRuntime(Installation, Plans):
             if last and self.zero_backward_skip:  # NOTE [ A backward of zeros ] in elision.py
                 gated = gate(hidden, mb)
                 out = _replaced(out, hidden, gated)
-                hidden = gated
+                hidden, mb.gated = gated, True
             hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, weakref.ref(frame), last))
             if last:
                 mb.last_hidden_fn = id(hidden.grad_fn)
@@ -347,16 +353,16 @@ class HiLoReRuntime(Installation, Plans):
             self._summarise(mb)
         return out
 
-    def elision_mode(self, device: torch.device) -> str:
-        """What is elided on ``device`` (``elide_zero_rows``; NOTE [ Stand-ins on accelerators ]
-        in elision.py): ``"rows"`` every sequence whose loss coefficients are all zero,
-        ``"whole"`` only a microbatch whose every sequence is, and whose layers' backward is
-        then skipped, ``"off"`` nothing."""
+    def elision_mode(self, device: torch.device) -> bool | str:
+        """``elide_zero_rows`` as it applies on ``device``, "auto" resolved (NOTE [ Stand-ins on
+        accelerators ] in elision.py): true elides every sequence whose loss coefficients are
+        all zero, ``"whole"`` only a microbatch whose every sequence is, and whose layers'
+        backward is then skipped, false nothing."""
         setting = self.config.elide_zero_rows
         if setting != "auto":
-            return {True: "rows", False: "off"}.get(setting, setting)
+            return setting
         if device.type == "cpu":
-            return "rows"
+            return True
         if not self._warned_elision:
             self._warned_elision = True
             logger.info("ds_hilore: on %s only microbatches whose every sequence has zero loss "

@@ -29,10 +29,10 @@ H200 (torch 2.11, bf16, a padded GRPO batch) the layers' backward over elided se
 them gradient anyway -- e after one layer, growing by ~1e8 a layer, or NaN -- with H or L units
 under the default attention kernels. The checks above caught it (NaN once they counted NaN),
 but a run that raises is no product. A microbatch whose layers' backward is skipped (NOTE [ A
-backward of zeros ]) runs no kernel at all, so ``elide_zero_rows`` has three settings: "rows"
-(true) elides every zero sequence, "whole" elides only a microbatch whose every sequence is
+backward of zeros ]) runs no kernel at all, so ``elide_zero_rows`` has three settings: true
+elides every zero sequence, "whole" elides only a microbatch whose every sequence is
 zero and only when its layers' backward will be skipped (``_may_skip``: the loss's own ω, a
-backward not measured, no ZeRO partitioning hooks), and false nothing. "auto" is "rows" where
+backward not measured, no ZeRO partitioning hooks), and false nothing. "auto" is true where
 stand-ins are shown exact (CPU) and "whole" on accelerators: the A = 0 microbatches of GRPO,
 planned all R from the prediction, still cost no backward there. Should the skip not happen
 after all, ``_no_stand_ins`` sends every frame holding elided sequences to R before any layer's
@@ -84,7 +84,7 @@ class Elision:
         mass_read, held, late = read[:3]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
         mode = self.runtime.elision_mode(frames[0].device)  # NOTE [ Stand-ins on accelerators ]
-        if mode == "off" or (mode == "whole" and not (
+        if mode is False or (mode == "whole" and not (
                 len(zero) == every and self._may_skip(mb, source))):
             zero = []  # nothing elided here: exposure alone is used
         if segments is not None and len(zero) < every and \
@@ -196,17 +196,19 @@ class Elision:
         """Whether the gradient at the last layer's output is known to be exactly zero on every
         rank (NOTE [ A backward of zeros ]): every sequence elided by the loss's own ω, on every
         rank, and the read at the top found none of it reached them (else the frames fell back
-        and no longer skip). Never for a measured microbatch (profile, leave-one-out timing)."""
-        if not self.runtime.zero_backward_skip or mb.profile is not None or mb.timing is not None:
+        and no longer skip). Never for a measured microbatch (profile, leave-one-out timing),
+        nor for one whose forward did not gate the last layer's output. Only values the ranks
+        agreed on: a sequence count (rows, or the segments of a packed row) is this rank's."""
+        if not (self.runtime.zero_backward_skip and mb.gated) or mb.profile is not None or \
+                mb.timing is not None:
             return False
         frames = mb.live_frames()
-        return bool(frames) and all(f.skip_zero_recompute and f.elision_checked
-                                    and len(f.elided_rows) == f.batch for f in frames)
+        return bool(frames) and all(f.skip_zero_recompute and f.elision_checked for f in frames)
 
     def _may_skip(self, mb, source: str) -> bool:
         """Whether a microbatch whose every sequence is zero will skip its layers' backward
         (``_skips_layers``), as far as is known before the backward; the same on every rank."""
-        return self.runtime.zero_backward_skip and source == "analytic" and \
+        return self.runtime.zero_backward_skip and mb.gated and source == "analytic" and \
             mb.profile is None and mb.timing is None
 
     def _no_stand_ins(self, mb) -> None:
@@ -254,10 +256,16 @@ class Elision:
         _LATE.discard(self)
         return late
 
-    def flush_late(self) -> None:
-        """Read the late flags now (one read, if any are left); raises if one is set."""
+    def flush_late(self, collective: bool = False) -> None:
+        """Read the late flags now (one read, if any are left); raises if one is set.
+        ``collective``: every rank calls it at the same point, and every rank raises if any
+        rank's flag is set (NOTE [ Collective elision ]): a leak is this rank's, while the
+        gradients about to be stepped on are every rank's once data parallelism reduced them."""
         late = self._take_late()
-        if late is not None and bool(late):
+        leaked = late is not None and bool(late)
+        if collective and self.runtime.collective is not None:
+            leaked = self.runtime.collective.all_reduce_max([int(leaked)])[0] > 0
+        if leaked:
             raise _late_error()
 
 
@@ -358,7 +366,11 @@ def unverified_rows_to_r(runtime, frames, zero_of) -> None:
 # do the unit flags of the forward's failed checks (NOTE [ Collective fallback ] in
 # microbatch.py) and the late flag of earlier backwards (an error on every rank at once), all
 # read in the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at
-# the coefficients decides everything there.
+# the coefficients decides everything there. The flags of the accumulation's last backward
+# are read before the optimizer step, by the engine on every rank (``check_late``), one more
+# all-reduce per step; the optimizer's pre-hook and ``end_step`` then find nothing left. A
+# rank that raised alone would leave the others stepping on the reduced, wrong gradients and
+# then waiting at their next collective.
 def _agree(runtime, frames, all_zero: bool, verified, failed: list[int],
            late: bool) -> tuple[bool, set[str], list[int], bool]:
     """(every rank's sequences all zero, names of the units to recompute on every rank, unit

@@ -43,6 +43,7 @@ class Microbatch:
         self.summary: dict[str, Any] = {}
         self.late_leaks: list[torch.Tensor] = []  # per-layer elision checks of its backward
         self.skip_layers_backward = False  # NOTE [ A backward of zeros ] in elision.py
+        self.gated = False  # the last layer's output went through ``gate`` at the forward
         # several sequences per row (NOTE [ Packed sequences ] in packed.py)
         self.packed: bool | None = None
         self.segments: list[tuple[int, int]] | None = None  # token ranges of the packed row

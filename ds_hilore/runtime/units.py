@@ -26,10 +26,10 @@ are kept out of the graph (``outside_compile``): dynamo breaks the graph there a
 forward runs eagerly under HiLoRe, every action exact as without compilation, the rest of the
 model compiled; the runtime says so once. transformers releases that checkpoint ``__call__``
 (5.17) reach the runtime outside the graph under ``layer.compile()``, with a call that would
-run the compiled graph: ``eager_call`` hands the layer's eager ``_call_impl`` instead. Chosen over running compiled layers as plain gradient
-checkpointing inside the graph: that would keep the layers compiled, but HiLoRe would then do
-nothing for them while its plan, memory budget and stats went on describing units it cannot
-see. A user who prefers compiled layers to HiLoRe detaches it and uses torch's checkpointing.
+run the compiled graph: ``eager_call`` hands the layer's eager ``_call_impl`` instead. Chosen
+over running compiled layers as plain gradient checkpointing inside the graph: that would keep
+the layers compiled, but HiLoRe would then do nothing for them while its plan, memory budget
+and stats went on describing units it cannot see. A user who prefers compiled layers to HiLoRe detaches it and uses torch's checkpointing.
 """
 
 from __future__ import annotations

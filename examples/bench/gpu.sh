@@ -13,7 +13,7 @@
 #   3. the versions used;
 #   4. exactness (H and R against GC, bf16, bitwise; elision: NOTE [ Stand-ins on accelerators ])
 #      and the CUDA peak, allocated and reserved,
-#      against the budget (python -m ds_hilore.bench.device_check);
+#      against the budget (python -m ds_hilore.bench.device_check, at most 4 minutes);
 #   5. the bench: qwen2.5-1.5b widths, all 28 layers, bf16, LoRA r=16, responses up to 2048
 #      tokens after a prompt, micro-batch 4, 2 microbatches per step, budget 1.10, paired rounds
 #      until decided or the time left of HILORE_GPU_MINUTES (default 9) is used.
@@ -32,6 +32,8 @@ START="$(date +%s)"
 
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu.log") 2>&1
+TEE=$!
+trap 'exec >&- 2>&-; wait "$TEE" 2>/dev/null || true' EXIT  # the log's last lines written
 cd "$REPO"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(mktemp -d)}"  # JIT ops, out of $OUT
 export PYTHONUNBUFFERED=1
@@ -52,7 +54,7 @@ NEEDED="deepspeed:deepspeed hjson:hjson cpuinfo:py-cpuinfo msgpack:msgpack einop
         ninja:ninja pydantic:pydantic pydantic_core:pydantic-core annotated_types:annotated-types
         typing_inspection:typing-inspection matplotlib:matplotlib contourpy:contourpy
         cycler:cycler fontTools:fonttools kiwisolver:kiwisolver PIL:pillow pyparsing:pyparsing
-        dateutil:python-dateutil"
+        dateutil:python-dateutil tzdata:tzdata"
 missing=()
 for pair in $NEEDED; do
     "$PY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
@@ -62,9 +64,23 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "installing: ${missing[*]}"
     "$PY" -m pip install --no-index --no-deps --no-build-isolation --find-links "$WHEELS" "${missing[@]}"
 fi
+# typing-extensions is there (torch needs it), maybe older than pydantic needs: upgraded only then
+te_wheel="$(ls "$WHEELS"/typing_extensions-*.whl 2>/dev/null | head -n 1 || true)"
+if [ -n "$te_wheel" ] && ! "$PY" - "$te_wheel" <<'PYEOF'
+import importlib.metadata as m, os, sys
+def version(text): return tuple(int(x) for x in text.split(".")[:3] if x.isdigit())
+want = version(os.path.basename(sys.argv[1]).split("-")[1])
+sys.exit(0 if version(m.version("typing_extensions")) >= want else 1)
+PYEOF
+then
+    echo "upgrading typing-extensions to $(basename "$te_wheel")"
+    "$PY" -m pip install --no-index --no-deps --upgrade "$te_wheel"
+fi
+"$PY" -m pip check || echo "(pip check above: reported, not a failure)"
 # this checkout from its folder: an editable install would need setuptools from a registry
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import torch, deepspeed, ds_hilore" >/dev/null
+"$PY" -c "import torch, deepspeed, ds_hilore, matplotlib.pyplot" >/dev/null
+export DS_ACCELERATOR=cuda
 
 echo "== 3. versions"
 "$PY" - <<'PYEOF' | tee "$OUT/versions.txt"
@@ -81,8 +97,8 @@ PYEOF
 
 echo "== 4. exactness and memory on CUDA (bf16)"
 check=0
-"$PY" -m ds_hilore.bench.device_check --device cuda --dtype bf16 --budget 1.10 \
-    --json "$OUT/device_check.json" || check=$?
+timeout -k 15 --signal=INT 240 "$PY" -m ds_hilore.bench.device_check --device cuda \
+    --dtype bf16 --budget 1.10 --json "$OUT/device_check.json" || check=$?
 if [ "$check" -ne 0 ]; then
     echo "DEVICE CHECK FAILED (exit $check): see above and $OUT/device_check.json"
 fi
@@ -93,7 +109,9 @@ if [ "$left" -lt 120 ]; then
     echo "error: only ${left}s left of ${MINUTES} minutes for the bench"; exit 1
 fi
 # seq 2732: a prompt of 683 tokens (T/4), then responses of 512 to 2048 tokens
-timeout --signal=INT "$(( left + 60 ))" "$PY" -m ds_hilore.cli bench \
+# past the time, SIGINT ends the rounds and the report is written; -k: a process that does not
+# end 30 s later is killed
+timeout -k 30 --signal=INT "$(( left + 60 ))" "$PY" -m ds_hilore.cli bench \
     --model qwen2.5-1.5b --dtype bf16 --device cuda --seq-len 2732 --micro-batch 4 \
     --group-size 4 --grad-accum 2 --budgets 1.10 --ds-init --strict \
     --methods nogc,gc,ds_ac,sac,block_h,all_l,static,hr,hilore \

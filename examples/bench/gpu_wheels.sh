@@ -15,10 +15,11 @@ GPU_PYTHON="${GPU_PYTHON:-3.12}"  # the GPU machine's Python (its torch decides 
 GPU_PLATFORM="${GPU_PLATFORM:-manylinux_2_28_x86_64}"
 
 # packages deepspeed, ds_hilore and the bench's plot need beyond what the GPU machine ships
-# (torch, transformers, peft, accelerate, mpi4py, and with them numpy, packaging, tqdm, psutil,
-# typing-extensions): pure Python ones, then compiled ones. Under the 64 MiB a run carries.
-PURE="hjson py-cpuinfo einops pydantic annotated-types typing-inspection cycler
-      pyparsing python-dateutil"
+# (torch, transformers, peft, accelerate, mpi4py, and with them numpy, packaging, tqdm, psutil):
+# pure Python ones, then compiled ones. Under the 64 MiB a run carries. typing-extensions too:
+# the machine has one, which pydantic may need newer (gpu.sh upgrades it only then).
+PURE="hjson py-cpuinfo einops pydantic annotated-types typing-inspection typing-extensions
+      cycler pyparsing python-dateutil tzdata"
 COMPILED="ninja msgpack pydantic-core matplotlib contourpy fonttools kiwisolver pillow"
 
 mkdir -p "$DIR"

@@ -1,0 +1,131 @@
+"""Worker for tests/test_rank_agreement.py: decisions about elided sequences that one rank's data
+would take alone, under a real DeepSpeed engine on 2 CPU ranks (NOTE [ Collective elision ] in
+ds_hilore/runtime/elision.py). Run by tests.launch.run_distributed; each ``--case``:
+
+* ``late_leak``: ZeRO-2, H everywhere, every zero sequence elided (``elide_zero_rows`` true).
+  On rank 0 only, a backward turns the stand-ins of its two zero sequences into gradient (the
+  stand-ins are NaN there, as a kernel that mishandles them would make them); rank 1 has no
+  zero sequence. The gradients both ranks would step on are wrong once ZeRO reduced them, so
+  ``engine.step()`` must raise on both, before the optimizer steps.
+* ``packed_skip``: ZeRO-0, H everywhere, ``elide_zero_rows`` "whole", transformers recording
+  hidden states (every layer's check is then a collective). Rank 0's microbatch is one packed
+  row of three sequences, rank 1's one plain row; the second step's coefficients are zero on
+  both ranks, so both skip their layers' backward (NOTE [ A backward of zeros ]) -- whether a
+  row is packed is one rank's fact, and the decision to skip may not depend on it.
+
+Each rank reports, per case, what ``engine.step()`` raised (or null) at each step, HiLoRe's
+``backward_skipped`` count, and the SHA-256 of the parameters at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from tests.launch import run_cases
+
+SEED, VOCAB, T = 1234, 128, 24
+SEGMENTS = ((0, 8), (8, 18), (18, 24))  # rank 0's packed row in packed_skip
+OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+
+
+def _engine(port: int, stage: int, micro_batch: int, block: dict):
+    import ds_hilore.integrations.engine
+
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        attn_implementation="eager", use_cache=False))
+    model.train()
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+              "optimizer": OPTIMIZER, "zero_optimization": {"stage": stage},
+              "steps_per_print": 10**6, "hilore": dict(block, low_precision="none")}
+    engine, *_ = ds_hilore.integrations.engine.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=config, distributed_port=port)
+    return engine
+
+
+def _loss(engine, ids, advantages, position_ids=None, hidden_states=False):
+    from ds_hilore.grpo import policy_loss
+
+    out = engine(input_ids=ids, position_ids=position_ids, output_hidden_states=hidden_states)
+    logp = out.logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    return policy_loss(logp, logp.detach(), advantages, mask, model=engine.module).loss
+
+
+def _step(engine, loss) -> str | None:
+    """backward and step; the first line of what the step raised, or None."""
+    from ds_hilore import HiLoReError
+
+    engine.backward(loss)
+    try:
+        engine.step()
+    except HiLoReError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def _digest(engine) -> str:
+    h = hashlib.sha256()
+    for name, p in engine.module.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def late_leak(port: int) -> dict:
+    from ds_hilore.runtime import bundle, storage
+
+    engine = _engine(port, 2, 4, {"force_plan": "H", "elide_zero_rows": True})
+    rank = dist.get_rank()  # once DeepSpeed initialised
+    raised = []
+    for step, advantages in enumerate(([1.0, -1.0, 0.5, -0.5], [1.0, 0.0, -0.5, 0.0])):
+        if step == 1 and rank == 0:
+            def nan(dtype):
+                return float("nan") if dtype.is_floating_point else 0
+            storage.stand_in_value = bundle.stand_in_value = nan
+        ids = torch.randint(3, VOCAB, (4, T), generator=torch.Generator().manual_seed(10 * step + rank))
+        adv = torch.tensor(advantages if rank == 0 else [1.0, -1.0, 0.5, -0.5])
+        raised.append(_step(engine, _loss(engine, ids, adv)))
+    return {"raised": raised, "global_steps": engine.global_steps,
+            "elided": sum(m.get("exact_zero_sequences", 0)
+                          for m in engine.hilore.stats.get("microbatches", []))}
+
+
+def packed_skip(port: int) -> dict:
+    engine = _engine(port, 0, 1, {"force_plan": "H", "elide_zero_rows": "whole"})
+    rank = dist.get_rank()
+    position_ids = torch.cat([torch.arange(e - s) for s, e in SEGMENTS])[None] if rank == 0 \
+        else torch.arange(T)[None]
+    raised, skipped = [], []
+    for step, advantage in enumerate((1.0, 0.0)):
+        ids = torch.randint(3, VOCAB, (1, T), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = _loss(engine, ids, torch.tensor([advantage]), position_ids, hidden_states=True)
+        raised.append(_step(engine, loss))
+        skipped.append(int(engine.hilore.stats.get("backward_skipped", 0)))
+    return {"raised": raised, "backward_skipped": skipped, "params": _digest(engine)}
+
+
+CASES = {"late_leak": late_leak, "packed_skip": packed_skip}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", action="append", required=True, choices=list(CASES))
+    parser.add_argument("--result_dir", required=True)
+    parser.add_argument("--master_port", type=int, required=True)
+    parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed runner passes it
+    args = parser.parse_args()
+    run_cases("rank_agreement_worker", args.case, lambda case: CASES[case](args.master_port),
+              args.result_dir)
+
+
+if __name__ == "__main__":
+    main()
