@@ -166,14 +166,22 @@ def _memory(base, config, steps, budget: float) -> dict[str, Any]:
     return out
 
 
+def _say(message: str) -> None:
+    """What the check starts now (a check that hangs or is killed shows where)."""
+    print(f"device check: {message}", file=sys.stderr, flush=True)
+
+
 def check(args) -> dict[str, Any]:
     """Both checks (see the module docstring); ``ok`` says whether every one passed."""
     config = _config(args)
     base = build_model(config)
     config["layers_n"] = len(lm_of(base).get_decoder().layers)
     steps = make_steps(base, config)
+    _say("exactness: GC twice, H and R everywhere")
     exact = _exactness(base, config, steps)
+    _say("elision: " + ", ".join(what for what, *_ in ELISION))
     exact["elision"] = _elision(base, config, steps, exact["gc_vs_gc_max_abs"])
+    _say(f"memory: HiLoRe at {args.budget:g} after its warm-up, then GC")
     memory = _memory(base, config, steps, args.budget)
     ok = (all(exact[m]["ok"] for m in ("hilore_all_h", "hilore_all_r"))
           and all(e["ok"] for e in exact["elision"].values() if e["check"])
