@@ -288,6 +288,52 @@ def test_elided_rows_read_stand_ins_where_whole_elision_reads_none(nan_stand_ins
         runtime.detach()
 
 
+def test_a_timed_leave_one_out_variant_runs_as_planned_under_whole_elision(monkeypatch):
+    """Leave-one-out times its variants on the microbatches that come (NOTE [ Leave-one-out ]),
+    and a timed microbatch never skips its backward: under "whole" one predicted zero is not
+    elided at capture (its E would be sent to R at the coefficients, and the time measured
+    would not be the variant's). Gradients exact."""
+    equal_utilities(monkeypatch)
+    model = planner_model()
+    ref = copy.deepcopy(model)
+    config = {"low_precision": "none", "profile_microbatches": 2, "calibration_microbatches": 0,
+              "plan_validation_microbatches": 0, "elide_zero_rows": "whole"}
+    runtime = ds_hilore.attach(model, config)
+    applied = []
+    apply_plan = runtime.apply_plan
+    monkeypatch.setattr(runtime, "apply_plan",
+                        lambda plan, rows=None: (applied.append(rows), apply_plan(plan, rows))[1])
+    try:
+        for seed in range(3):  # discovery, then profiled
+            _microbatch(model, seed, SPREAD)
+            runtime.end_step()
+        policy = runtime.policy
+        bucket, = policy.buckets.values()
+        step = max(u.h_bytes for u in bucket.profile.units) // 4
+        for k in range(1, 400):  # memory short: some units stored, not all
+            policy.config = HiLoReConfig(**dict(
+                config, plan_validation_microbatches=1,
+                memory_budget_bytes=bucket.profile.gc_peak_bytes + k * step))
+            policy._plan_bucket(bucket, profiled=False)
+            if "H" in bucket.plan.actions.values():
+                break
+        policy._start_loo(bucket)
+        assert bucket.loo is not None
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        applied.clear()
+        runtime.expect([0.0] * B)
+        _microbatch(model, 3, ZERO)
+        runtime.end_step()
+        stats = runtime.stats
+        _microbatch(ref, 3, ZERO)
+        assert _same(_grads(model), _grads(ref))
+        assert not any("E" in r for rows in applied if rows for r in rows.values()), applied
+        assert stats["backward_skipped"] == 0 and stats["actions"]["E"] == 0, stats
+    finally:
+        runtime.detach()
+
+
 @pytest.mark.parametrize("mode", [True, "whole"])
 def test_the_plan_elides_at_capture_what_the_setting_allows(mode, monkeypatch):
     """The allocator's plan from a prediction: true elides the sequences predicted zero at

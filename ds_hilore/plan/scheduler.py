@@ -350,8 +350,11 @@ class Scheduler:
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         config = self.runtime.config
         mode = self.runtime.elision_mode(self._device())  # NOTE [ Stand-ins on accelerators ]
+        # "whole": only where the backward will be skipped -- not under ZeRO 1-3, nor on a
+        # microbatch leave-one-out times (``_may_skip`` in elision.py)
         elide = bool(expected) and not stores_all(bucket) and (mode is True or (
-            mode == "whole" and not any(expected) and self.runtime.zero_backward_skip)) and \
+            mode == "whole" and not any(expected) and self.runtime.zero_backward_skip
+            and bucket.loo is None)) and \
             config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
         self.predicted_zero = False  # set by _plan_for_rows: from all-reduced values only
         if bucket.loo is None:

@@ -38,7 +38,8 @@ planned all R from the prediction, still cost no backward there. Should the skip
 after all, ``_no_stand_ins`` sends every frame holding elided sequences to R before any layer's
 backward reads one. The scheduler elides at capture only what "whole" allows: a microbatch
 predicted zero in every sequence, planned all R, and only where the skip can happen (under
-ZeRO 1-3 it runs the bucket's plan: its backward runs anyway, and R would recompute it all).
+ZeRO 1-3 it runs the bucket's plan: its backward runs anyway, and R would recompute it all;
+a microbatch that leave-one-out times runs the variant it times).
 """
 
 from __future__ import annotations
