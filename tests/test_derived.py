@@ -143,3 +143,27 @@ def test_derivation_accepts_only_proven_pointwise_outputs():
     b.mul_(v)  # a MulBackward0 whose inputs are known, but b was changed in place: refused
     assert type(b.grad_fn).__name__ == "MulBackward0" and b._version == 1
     assert derivation(b, before) is None
+
+
+def test_derived_tensors_are_kept_only_where_they_fit_at_the_bucket_s_longest():
+    """A plan priced for the bucket's longest microbatch (bytes x ``byte_scale``) keeps the
+    derived tensors only if they fit the headroom at that length too: 2 x 10 MiB derived where
+    the profile was measured, 2 x 20 MiB at twice the length, against 30 MiB of room."""
+    from ds_hilore.plan.allocate import Plan
+    from ds_hilore.plan.buckets import Bucket
+    from ds_hilore.plan.profile import BucketProfile, Profiler, UnitCost
+
+    mib = 2**20
+    runtime = ds_hilore.attach(tiny_model("qwen2", layers=2), {"low_precision": "none"})
+    try:
+        units = [UnitCost(name=f"l{i}.mlp", kind="mlp", layer=i, pos=0, h_bytes=20 * mib,
+                          derived_bytes=10 * mib) for i in range(2)]
+        profile = BucketProfile((4, 128), units, gc_peak_bytes=1000 * mib,
+                                baseline_bytes=800 * mib, repeats=2, seconds=0.1)
+        plan = Plan({u.name: "H" for u in units}, 80 * mib, 1.0, 0.0, 110 * mib, 0.0)
+        bucket = Bucket(profile.key, Profiler(profile.key, 0), profile, plan=plan)
+        assert not runtime.policy.derives(bucket)  # measured length: 80 + 20 <= 110 MiB
+        bucket.byte_scale = {"mlp": 2.0}
+        assert runtime.policy.derives(bucket)  # the longest: 80 + 40 > 110 MiB
+    finally:
+        runtime.detach()

@@ -48,3 +48,32 @@ def test_a_packed_row_on_one_rank_skips_the_backward_as_the_other_ranks_do(ranks
         assert rank["raised"] == [None, None], rank
         assert rank["backward_skipped"] == [0, 1], rank  # the zero step skipped, on both ranks
     assert got[0]["params"] == got[1]["params"]  # and both stepped on the same gradients
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """One launch of tests/workers/plan_agreement_worker.py (its docstring says what each case
+    hands each rank)."""
+    from tests.workers import plan_agreement_worker as plans
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    args = [a for case in plans.CASES for a in ("--case", case)]
+    return run_distributed(plans.__file__, args, nprocs=2, timeout=180)
+
+
+def test_every_rank_plans_within_the_least_budget_over_ranks(planned):
+    got = [_case(r, "budget") for r in planned]
+    assert got[0] == got[1], got  # budget, bound and plan
+    assert got[0]["budget_bytes"] == 1050 * 2**20 and got[0]["bound"] == "device", got
+
+
+def test_a_profile_is_agreed_in_every_field_the_plans_read(planned):
+    got = [_case(r, "profile") for r in planned]
+    assert got[0] == got[1], got
+    # the bucket's 4 rows, split by sequence only where every rank can, the most derived bytes
+    assert got[0]["units"] == [[4, False, 2 * 2**20]] * 4, got
+
+
+def test_a_checkpoint_state_is_restored_on_every_rank_or_on_none(planned):
+    got = [_case(r, "resume") for r in planned]
+    assert [g["restored"] for g in got] == [False, False], got  # rank 1's device differs

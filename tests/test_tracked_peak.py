@@ -290,5 +290,15 @@ def test_an_overshoot_on_cpu_lowers_the_headroom_by_the_max_over_ranks(monkeypat
         assert bucket.checked is not None and bucket.checked is not bucket.plan  # planned again
         assert bucket.headroom_cut == int(over) + max(MiB, bucket.budget_bytes // 100)
         assert "planned again" in caplog.text
+        state = runtime.state_dict()
+    finally:
+        runtime.detach()
+    # resumed from a checkpoint: the cut holds, and the plan is the one planned with it
+    runtime = ds_hilore.attach(model, dict(CONFIG, memory_budget=1.5))
+    try:
+        runtime.load_state_dict(state)
+        resumed = runtime.policy.buckets[(B, T)]
+        assert resumed.headroom_cut == bucket.headroom_cut and resumed.overshot
+        assert resumed.plan.actions == bucket.plan.actions
     finally:
         runtime.detach()

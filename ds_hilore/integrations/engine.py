@@ -375,12 +375,18 @@ def setup_key() -> dict[str, Any]:
 
 def _restore_runtime_state(runtime: Any, saved: Optional[Mapping], load_path: str) -> None:
     current = setup_key()
+    mismatch = saved is not None and saved["setup"] != current
+    if saved is not None and runtime.collective is not None:
+        # kept or dropped on every rank alike: restoring broadcasts plans (a collective), and
+        # ranks of different devices (setup_key's device_name) would otherwise differ
+        mismatch = runtime.collective.all_reduce_max([int(mismatch)])[0] > 0
     if saved is None:
         logger.info("checkpoint %s has no HiLoRe state (saved without ds_hilore): HiLoRe "
                     "profiles and calibrates from scratch.", load_path)
-    elif saved["setup"] != current:
-        logger.warning("HiLoRe state in checkpoint %s was learned on %s, this run is %s: dropped; "
-                       "HiLoRe profiles and calibrates again.", load_path, saved["setup"], current)
+    elif mismatch:
+        logger.warning("HiLoRe state in checkpoint %s was learned on %s, this run is %s (on this "
+                       "rank or another): dropped; HiLoRe profiles and calibrates again.",
+                       load_path, saved["setup"], current)
     else:
         runtime.load_state_dict(saved["runtime"])
         logger.info("HiLoRe state restored from checkpoint %s (same setup: no recalibration).",

@@ -508,8 +508,12 @@ def agree(profile: BucketProfile, collective) -> BucketProfile:
     if collective is None:
         return profile
     fields = ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error")
-    counts = ("h_bytes", "l_bytes", "ff_bytes", "nonfinite_tensors")
-    values = [getattr(u, f) for u in profile.units for f in fields + counts]
+    # rows: a rank's last microbatch may hold fewer sequences (priced per row kept when
+    # sequences are elided, buckets.py); sliceable only where every rank's is
+    counts = ("h_bytes", "l_bytes", "ff_bytes", "nonfinite_tensors", "derived_bytes", "rows",
+              "unsliceable")
+    values = [(not u.sliceable) if f == "unsliceable" else getattr(u, f)
+              for u in profile.units for f in fields + counts]
     # the least room of each phase over ranks (NOTE [ The backward's memory, layer by layer ]
     # in profile.py): as many on every rank, 0 where a rank read none
     top, layers = profile.rooms() or (0, [0] * profile.n_layers())
@@ -524,7 +528,10 @@ def agree(profile: BucketProfile, collective) -> BucketProfile:
     for i, unit in enumerate(profile.units):
         for j, f in enumerate(fields + counts):
             value = values[i * k + j]
-            setattr(unit, f, int(value) if f in counts else value)
+            if f == "unsliceable":
+                unit.sliceable = not value
+            else:
+                setattr(unit, f, int(value) if f in counts else value)
         exclude_nonfinite(unit)
     profile.gc_peak_bytes = int(values[-1])
     return profile

@@ -200,7 +200,9 @@ class Scheduler:
         plan = bucket.plan
         if plan is None or not stores_all(bucket):
             return True
-        kept = sum(c.derived_bytes for c in bucket.profile.units if plan.actions.get(c.name) == "H")
+        scale = bucket.byte_scale or {}  # priced for the bucket's longest, as the plan is
+        kept = sum(c.derived_bytes * scale.get(c.kind, 1.0) for c in bucket.profile.units
+                   if plan.actions.get(c.name) == "H")
         return plan.peak_over_gc_bytes + kept > plan.headroom_bytes
 
     def expect(self, exposure: list[float] | None, step_exposure: float | None = None,
@@ -279,7 +281,10 @@ class Scheduler:
                 "excluded": {f"{k[0]}x{k[1]}": sorted(b.excluded) for k, b in self.buckets.items()
                              if b.profile},
                 "shortest": {f"{k[0]}x{k[1]}": b.shortest for k, b in self.buckets.items()
-                             if b.profile and b.shortest}}
+                             if b.profile and b.shortest},
+                # a plan that peaked over the budget stays cut after a resume
+                "headroom_cut": {f"{k[0]}x{k[1]}": b.headroom_cut for k, b in self.buckets.items()
+                                 if b.profile and b.overshot}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.risk = RiskModel.from_dict(state.get("risk", {}))
@@ -291,6 +296,9 @@ class Scheduler:
             bucket = Bucket(profile.key, Profiler(profile.key, 0), profile)
             bucket.excluded = set(state.get("excluded", {}).get(f"{profile.key[0]}x{profile.key[1]}", []))
             bucket.shortest = state.get("shortest", {}).get(f"{profile.key[0]}x{profile.key[1]}")
+            cut = state.get("headroom_cut", {}).get(f"{profile.key[0]}x{profile.key[1]}")
+            if cut is not None:
+                bucket.headroom_cut, bucket.overshot = int(cut), True
             self.buckets[profile.key] = bucket
             self._plan_bucket(bucket, profiled=False)
 
@@ -302,7 +310,8 @@ class Scheduler:
             self.metering.planned(bucket)
         profile = bucket.profile
         device = self._device()
-        bucket.budget_bytes, bound = budgets.budget_and_bound(self.config, profile.gc_peak_bytes, device)
+        bucket.budget_bytes, bound = self._agree_budget(
+            *budgets.budget_and_bound(self.config, profile.gc_peak_bytes, device))
         bucket.budget_bound = bound
         # m x GC's peak (NOTE [ Priced for the bucket's longest ] in buckets.py)
         relative = bound != "device" and self.config.memory_budget_bytes is None and \
@@ -552,6 +561,17 @@ class Scheduler:
 
     def _agree(self, profile: BucketProfile) -> BucketProfile:
         return agree(profile, self.runtime.collective)  # plan/metering.py
+
+    def _agree_budget(self, budget: int, bound: str) -> tuple[int, str]:
+        """One budget for every rank: the least over ranks, bound by the device where any
+        rank's device bound it. A device's free memory (NOTE [ What the device can give ] in
+        budget.py) and ``memory_fraction`` differ by rank; the plan, its checks and the credit
+        a check earns must not, or one rank replans (a collective) while the others do not."""
+        collective = self.runtime.collective
+        if collective is None:
+            return budget, bound
+        least, device = collective.all_reduce_max([-budget, int(bound == "device")])
+        return -least, "device" if device else bound
 
     def _broadcast(self, plan: Plan) -> Plan:
         collective = self.runtime.collective
