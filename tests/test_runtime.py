@@ -5,6 +5,7 @@ for every supported architecture, with and without LoRA; retained bytes are comp
 storage-level accounting (``LiveStorages``), not RSS.
 """
 
+import copy
 import fnmatch
 import random
 
@@ -199,6 +200,34 @@ def test_downgrade_H_to_R_frees_the_slices_and_stays_exact():
              if p is not model.get_input_embeddings().weight}
     grads["<inputs_embeds>"] = embeds.grad
     assert _mismatches(ref, grads) == []
+
+
+def test_downgrade_reaches_an_earlier_microbatch_still_alive():
+    """Two forwards alive (the first one's loss read after the second's forward, as the risk
+    fit reads it): a downgrade aimed at the first microbatch lowers its unit, not the latest
+    one's. Gradients exact."""
+    model = _build("llama", lora=False, hidden=64, intermediate=128)
+    reference = copy.deepcopy(model)
+    inputs = batch(seq=32)
+    runtime = ds_hilore.attach(model, dict(EXACT_CONFIG, force_plan="H"))
+    loss_and_grads(model, inputs)  # discovery
+    runtime.end_step()
+    grads = {}
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        first = m(**inputs).logits
+        mb_first = runtime._mb
+        second = m(**inputs).logits
+        if m is model:
+            unit = runtime.units[0]
+            assert mb_first is not runtime._mb
+            runtime.downgrade(unit.name, "R", mb=mb_first)
+            assert mb_first.frame(unit.layer_index).plan.actions[unit.pos] == "R"
+            assert runtime._mb.frame(unit.layer_index).plan.actions[unit.pos] == "H"
+        (first.float().log_softmax(-1).mean() + second.float().log_softmax(-1).mean()).backward()
+        grads[m is model] = {n: p.grad for n, p in m.named_parameters()}
+    assert _mismatches(grads[False], grads[True]) == []
 
 
 def test_shared_storages_are_counted_once():

@@ -147,7 +147,7 @@ class Scheduler:
                     unit = next((u for u in self.runtime.units if u.name == name), None)
                     frame = mb.frame(unit.layer_index) if unit is not None else None
                     if frame is not None and frame.plan.actions[unit.pos] != "R":
-                        self.runtime.downgrade(name, "R")
+                        self.runtime.downgrade(name, "R", mb=mb)
             self.fits += 1
             if self.last_fit[2]:  # units sent to R keep nothing: the peak is not the plan's
                 self.metering.partial()
@@ -240,7 +240,8 @@ class Scheduler:
 
     def hold_out(self) -> None:
         """Hold the next planned microbatch out for a ranking check of the risk model, run at
-        the following ``end_step``; the result is ``stats["ranking"]``."""
+        the following ``end_step``; the result is ``stats["ranking"]``. Under several ranks,
+        call it on every rank at the same point: the check's passes agree over ranks."""
         self.passes.hold_out = True
 
     @property
@@ -517,7 +518,7 @@ class Scheduler:
             unit = self.runtime.units[k]
             frame = mb.frame(unit.layer_index)
             if frame is not None and frame.plan.actions[unit.pos] != "R":
-                self.runtime.downgrade(unit.name, "R")
+                self.runtime.downgrade(unit.name, "R", mb=mb)
             downgraded.append(unit.name)
             total -= scaled[k]
             risks.pop(unit.name, None)

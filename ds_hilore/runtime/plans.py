@@ -80,14 +80,16 @@ class Plans:
     def plan_hash(self) -> str:
         return hashlib.sha1("".join(self.plan_actions()).encode()).hexdigest()[:12]
 
-    def downgrade(self, name: str, action: str, rows=None) -> None:
-        """Lower the fidelity of a unit captured in the current microbatch; frees bytes at once.
+    def downgrade(self, name: str, action: str, rows=None, mb=None) -> None:
+        """Lower the fidelity of a unit captured in the current microbatch (or in ``mb``, one
+        of those alive: a forward whose loss comes after a later forward's); frees bytes at once.
 
         H -> L, H -> R, L -> R, and H/L -> E for sequences whose loss coefficients are zero.
         ``rows`` (sequence indices) apply to L and E; R is per unit.
         """
         unit = self._unit(name)
-        frame = self._mb.frame(unit.layer_index) if self._mb is not None else None
+        mb = self._mb if mb is None else mb
+        frame = mb.frame(unit.layer_index) if mb is not None else None
         if frame is None:
             raise HiLoReError(f"downgrade({name!r}): no microbatch of this unit is alive; call it "
                               "between the forward and the backward of a microbatch.")
@@ -103,7 +105,7 @@ class Plans:
             raise HiLoReError(f"downgrade({name!r}, 'L'): low_precision is 'none'; set it to 'int8' "
                               "or 'fp8_e4m3' in the \"hilore\" block.")
         frame.downgrade(pos, action, rows)
-        self._summarise(self._mb)
+        self._summarise(mb)
 
     def _renumber(self) -> None:
         """Number the units found so far; check force_plan once every layer has its units."""
