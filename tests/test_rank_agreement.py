@@ -72,6 +72,9 @@ def test_a_profile_is_agreed_in_every_field_the_plans_read(planned):
     assert got[0] == got[1], got
     # the bucket's 4 rows, split by sequence only where every rank can, the most derived bytes
     assert got[0]["units"] == [[4, False, 2 * 2**20]] * 4, got
+    # the highest peak, and under it the most any rank's peak rose above its baseline (480
+    # MiB): GC's peak priced at a longer length covers every rank's
+    assert (got[0]["gc_peak_bytes"], got[0]["baseline_bytes"]) == (1000 * 2**20, 520 * 2**20)
 
 
 def test_a_checkpoint_state_is_restored_on_every_rank_or_on_none(planned):

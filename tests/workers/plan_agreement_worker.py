@@ -6,8 +6,10 @@ device of another size, an uneven last microbatch or another GPU model would mak
 
 * ``budget``: rank 1's device can give less than the stated budget (``device_available_bytes``,
   CUDA's free memory; None on CPU). Reports the bucket's budget and bound on each rank.
-* ``profile``: rank 1 profiled a microbatch of 3 sequences, not 4, and its units cannot be split
-  by sequence. Reports each unit's agreed rows, sliceable and derived bytes.
+* ``profile``: rank 1 profiled a microbatch of 3 sequences, not 4, its units cannot be split by
+  sequence, and its GC peak is lower but further above a lower baseline (980 over 500 MiB;
+  rank 0: 1000 over 800). Reports each unit's agreed rows, sliceable and derived bytes, and the
+  agreed peak and baseline.
 * ``resume``: a checkpoint's HiLoRe state whose setup matches rank 0's and not rank 1's (another
   GPU model). Reports whether each rank restored it.
 """
@@ -34,15 +36,15 @@ def _runtime(config: dict):
     return runtime
 
 
-def _profile(rows: int, sliceable: bool, derived: int):
+def _profile(rows: int, sliceable: bool, derived: int, gc_mib: int = 1000, baseline_mib: int = 800):
     from ds_hilore.plan.profile import BucketProfile, UnitCost
 
     units = [UnitCost(name=f"model.layers.{i}.{kind}", kind=kind, layer=i, pos=p, recompute_s=0.01,
                       h_bytes=10 * MiB, l_bytes=10 * MiB, rows=rows, sliceable=sliceable,
                       derived_bytes=derived)
              for i in range(2) for p, kind in enumerate(("attn", "mlp"))]
-    return BucketProfile((4, 128), units, gc_peak_bytes=1000 * MiB, baseline_bytes=800 * MiB,
-                         repeats=2, seconds=0.1)
+    return BucketProfile((4, 128), units, gc_peak_bytes=gc_mib * MiB,
+                         baseline_bytes=baseline_mib * MiB, repeats=2, seconds=0.1)
 
 
 def _bucket(policy, profile):
@@ -68,9 +70,10 @@ def profile(rank: int) -> dict:
     from ds_hilore.plan.metering import agree
 
     runtime = _runtime({"memory_budget": 1.1})
-    agreed = agree(_profile(4, True, MiB) if rank == 0 else _profile(3, False, 2 * MiB),
+    agreed = agree(_profile(4, True, MiB) if rank == 0 else _profile(3, False, 2 * MiB, 980, 500),
                    runtime.collective)
-    return {"units": [(u.rows, u.sliceable, u.derived_bytes) for u in agreed.units]}
+    return {"units": [(u.rows, u.sliceable, u.derived_bytes) for u in agreed.units],
+            "gc_peak_bytes": agreed.gc_peak_bytes, "baseline_bytes": agreed.baseline_bytes}
 
 
 def resume(rank: int) -> dict:
