@@ -13,6 +13,10 @@ from models import VOCAB, tiny_model
 import ds_hilore
 
 KEY = (8, 64)
+# What appeared after profiling is read from the heap in use (NOTE [ Tracked on CPU ]): Python
+# freeing other objects between the two readings (a garbage collection, caches of earlier tests
+# in this process) takes from it. Seen once: 84 KB under a 4.2 MB state (2 %); 27 KB over here.
+NOISE = 0.05
 
 
 def _microbatch(model, seed: int) -> None:
@@ -54,7 +58,8 @@ def _profiled_then_stepped(state_share: float, caplog):
 def test_optimizer_state_created_after_profiling_leaves_less_room_for_the_plan(caplog):
     runtime, bucket, state, gc_before, kept_before = _profiled_then_stepped(2.0, caplog)
     assert kept_before > state  # before the step, the plan kept more than the state will take
-    assert bucket.profile.gc_peak_bytes - gc_before >= state  # GC's peak now carries the state
+    # GC's peak now carries the state (NOISE: the reading is the heap's)
+    assert bucket.profile.gc_peak_bytes - gc_before >= state - NOISE * state
     assert bucket.plan.peak_over_gc_bytes <= bucket.budget_bytes - bucket.profile.gc_peak_bytes
     assert bucket.plan.peak_over_gc_bytes < kept_before
     assert "below what gradient checkpointing itself needs" not in caplog.text
@@ -98,7 +103,7 @@ def test_a_shape_profiled_in_the_first_step_and_planned_in_the_next_is_priced_wi
         runtime.end_step()
         _microbatch(model, 2)  # step 1: planned at its forward
         assert bucket.plan is not None
-        assert bucket.profile.gc_peak_bytes - gc_before >= state  # read as if taken now
+        assert bucket.profile.gc_peak_bytes - gc_before >= state - NOISE * state  # as if taken now
         assert 0 < bucket.plan.memory_bytes
         assert bucket.plan.peak_over_gc_bytes <= runtime.config.memory_budget_bytes - gc_before - state
     finally:
