@@ -58,6 +58,19 @@ def write_result(result_dir: str | os.PathLike, rank: int, payload: dict) -> Non
     end_distributed()
 
 
+def case_arguments(cases) -> "argparse.Namespace":
+    """Worker side: a command line of ``--case`` (one of ``cases``, repeated) and what the launch
+    passes (``--result_dir``, ``--master_port``; the deepspeed runner's ``--local_rank``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", action="append", required=True, choices=list(cases))
+    parser.add_argument("--result_dir", required=True)
+    parser.add_argument("--master_port", type=int, required=True)
+    parser.add_argument("--local_rank", type=int, default=0)
+    return parser.parse_args()
+
+
 def run_cases(worker: str, cases: list[str], run: Callable[[str], dict], result_dir: str) -> None:
     """Worker side, its main: ``run(case)`` for each case in turn, then :func:`write_result` of
     ``{"rank", "cases": case -> record, "seconds"}``. A case that raises is recorded as

@@ -237,8 +237,9 @@ def test_an_interrupt_ends_the_rounds_and_each_round_was_saved(monkeypatch):
     monkeypatch.setattr(frontier, "_one_round", one_round)
     saved = []
     records, stop = frontier._rounds([object()], [[None]], {"rounds": 5, "max_minutes": None},
-                                     time.perf_counter(), lambda records: {"runs": []},
-                                     lambda records: saved.append(len(records)))
+                                     time.perf_counter(),
+                                     lambda records: {"runs": [], "rounds": list(records)},
+                                     lambda report: saved.append(len(report["rounds"])))
     assert [r["round"] for r in records] == [0, 1] and saved == [1, 2]
     assert stop == {"reason": "interrupted", "undecided": []}
     assert "2 paired rounds (interrupted)" in report_module._stop_line(

@@ -288,16 +288,13 @@ def test_elided_rows_read_stand_ins_where_whole_elision_reads_none(nan_stand_ins
         runtime.detach()
 
 
-def test_a_timed_leave_one_out_variant_runs_as_planned_under_whole_elision(monkeypatch):
-    """Leave-one-out times its variants on the microbatches that come (NOTE [ Leave-one-out ]),
-    and a timed microbatch never skips its backward: under "whole" one predicted zero is not
-    elided at capture (its E would be sent to R at the coefficients, and the time measured
-    would not be the variant's). Gradients exact."""
-    equal_utilities(monkeypatch)
-    model = planner_model()
-    ref = copy.deepcopy(model)
+def _planned_short_of_memory(model, mode, monkeypatch, **planning):
+    """(runtime, its bucket, the rows of every plan the policy applies from now on): ``model``
+    profiled under ``elide_zero_rows`` ``mode``, then planned (with ``planning`` settings) under
+    the least absolute budget with room for some of its four units, not all: memory is short
+    (a plan storing every unit whole never elides: nothing to free)."""
     config = {"low_precision": "none", "profile_microbatches": 2, "calibration_microbatches": 0,
-              "plan_validation_microbatches": 0, "elide_zero_rows": "whole"}
+              "plan_validation_microbatches": 0, "elide_zero_rows": mode}
     runtime = ds_hilore.attach(model, config)
     applied = []
     apply_plan = runtime.apply_plan
@@ -310,14 +307,30 @@ def test_a_timed_leave_one_out_variant_runs_as_planned_under_whole_elision(monke
         policy = runtime.policy
         bucket, = policy.buckets.values()
         step = max(u.h_bytes for u in bucket.profile.units) // 4
-        for k in range(1, 400):  # memory short: some units stored, not all
+        for k in range(1, 400):
             policy.config = HiLoReConfig(**dict(
-                config, plan_validation_microbatches=1,
-                memory_budget_bytes=bucket.profile.gc_peak_bytes + k * step))
+                config, **planning, memory_budget_bytes=bucket.profile.gc_peak_bytes + k * step))
             policy._plan_bucket(bucket, profiled=False)
             if "H" in bucket.plan.actions.values():
                 break
-        policy._start_loo(bucket)
+    except BaseException:
+        runtime.detach()
+        raise
+    return runtime, bucket, applied
+
+
+def test_a_timed_leave_one_out_variant_runs_as_planned_under_whole_elision(monkeypatch):
+    """Leave-one-out times its variants on the microbatches that come (NOTE [ Leave-one-out ]),
+    and a timed microbatch never skips its backward: under "whole" one predicted zero is not
+    elided at capture (its E would be sent to R at the coefficients, and the time measured
+    would not be the variant's). Gradients exact."""
+    equal_utilities(monkeypatch)
+    model = planner_model()
+    ref = copy.deepcopy(model)
+    runtime, bucket, applied = _planned_short_of_memory(model, "whole", monkeypatch,
+                                                        plan_validation_microbatches=1)
+    try:
+        runtime.policy._start_loo(bucket)
         assert bucket.loo is not None
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
@@ -343,28 +356,8 @@ def test_the_plan_elides_at_capture_what_the_setting_allows(mode, monkeypatch):
     equal_utilities(monkeypatch)
     model = planner_model()
     ref = copy.deepcopy(model)
-    config = {"low_precision": "none", "profile_microbatches": 2, "calibration_microbatches": 0,
-              "plan_validation_microbatches": 0, "elide_zero_rows": mode}
-    runtime = ds_hilore.attach(model, config)
-    applied = []  # the rows of every plan the policy applies
-    apply_plan = runtime.apply_plan
-    monkeypatch.setattr(runtime, "apply_plan",
-                        lambda plan, rows=None: (applied.append(rows), apply_plan(plan, rows))[1])
+    runtime, bucket, applied = _planned_short_of_memory(model, mode, monkeypatch)
     try:
-        for seed in range(3):  # discovery, then profiled
-            _microbatch(model, seed, SPREAD)
-            runtime.end_step()
-        # the least absolute budget with room for some of the four units, not all: memory
-        # is short (a plan storing every unit whole never elides: nothing to free)
-        policy = runtime.policy
-        bucket, = policy.buckets.values()
-        step = max(u.h_bytes for u in bucket.profile.units) // 4
-        for k in range(1, 400):
-            policy.config = HiLoReConfig(**dict(
-                config, memory_budget_bytes=bucket.profile.gc_peak_bytes + k * step))
-            policy._plan_bucket(bucket, profiled=False)
-            if "H" in bucket.plan.actions.values():
-                break
         assert 0 < list(bucket.plan.actions.values()).count("H") < 4, bucket.plan
         for seed, advantages, skip in ((3, PART, True), (4, ZERO, True), (5, ZERO, False)):
             runtime.zero_backward_skip = skip  # False: as under ZeRO 1-3

@@ -236,7 +236,7 @@ def bucket_plans(runtime) -> dict[str, dict[str, str]] | None:
 def _rounds(live, steps, config, begin: float, provisional,
             saved=None) -> tuple[list[dict], dict]:
     """Paired rounds, fixed or until decided (``auto``); the records and why they stopped,
-    with the decisive comparisons left undecided. ``saved(records)`` after each round (the
+    with the decisive comparisons left undecided. ``saved(report)`` after each round (the
     report so far, kept should the process be ended); an interrupt (SIGINT, as ``timeout``
     sends) ends the rounds, and the ones completed are reported."""
     auto = config["rounds"] == "auto"
@@ -259,10 +259,11 @@ def _rounds(live, steps, config, begin: float, provisional,
             progress(f"interrupted in round {k + 1}: reporting the {k} round(s) completed")
             reason = "interrupted"
             break
+        deciding = auto and len(records) >= MIN_ROUNDS
+        report = provisional(records) if saved is not None or deciding else None
         if saved is not None:
-            saved(records)
-        if auto and len(records) >= MIN_ROUNDS and all(
-                c["decided"] for c in decisive(provisional(records))):
+            saved(report)
+        if deciding and all(c["decided"] for c in decisive(report)):
             reason = "decided"
             break
     left = [f"{c['run']} vs {c['rival']}" for c in decisive(provisional(records))
@@ -294,10 +295,8 @@ def run_bench(config: dict[str, Any], save=None) -> dict[str, Any]:
     def provisional(records):
         return summary.report(config, runs, gc_peak, steps, block_k, records)
 
-    def saved(records):
-        document = provisional(records)
-        document["stop"] = {"reason": "running", "undecided": []}
-        save(document)
+    def saved(document):
+        save(dict(document, stop={"reason": "running", "undecided": []}))
 
     records, stop = _rounds(live, steps, config, begin, provisional,
                             None if save is None else saved)

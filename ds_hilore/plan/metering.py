@@ -521,14 +521,15 @@ def agree(profile: BucketProfile, collective) -> BucketProfile:
     # the most above the baseline too: GC's peak priced at the bucket's longest (buckets.py)
     # grows that part, and the max peak less the max baseline can understate it
     above = profile.gc_peak_bytes - profile.baseline_bytes
-    totals = [above, profile.baseline_bytes, profile.seconds, profile.gc_peak_bytes]  # peak last
+    totals = [above, profile.seconds, profile.gc_peak_bytes]  # peak last
     first = len(values)
     values = collective.all_reduce_max_float([float(v) for v in values + rooms + totals])
     agreed = [int(-v) for v in values[first:first + len(rooms)]]
     profile.top_room_bytes, profile.layer_room_bytes = agreed[0], agreed[1:]
     profile.seconds = values[-2]  # the state saved
-    # the baseline under the most above it: every rank's peak at any length within the priced
-    profile.baseline_bytes = max(0, min(int(values[-3]), int(values[-1]) - int(values[-4])))
+    # the baseline under the most above it (never above the max baseline): every rank's peak
+    # at any length within the priced
+    profile.baseline_bytes = max(0, int(values[-1]) - int(values[-3]))
     k = len(fields) + len(counts)
     for i, unit in enumerate(profile.units):
         for j, f in enumerate(fields + counts):

@@ -16,11 +16,9 @@ device of another size, an uneven last microbatch or another GPU model would mak
 
 from __future__ import annotations
 
-import argparse
-
 import torch.distributed as dist
 
-from tests.launch import run_cases
+from tests.launch import case_arguments, run_cases
 
 MiB = 2**20
 
@@ -95,12 +93,7 @@ CASES = {"budget": budget, "profile": profile, "resume": resume}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", action="append", required=True, choices=list(CASES))
-    parser.add_argument("--result_dir", required=True)
-    parser.add_argument("--master_port", type=int, required=True)
-    parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed runner passes it
-    args = parser.parse_args()
+    args = case_arguments(CASES)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.master_port)

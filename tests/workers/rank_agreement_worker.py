@@ -19,14 +19,13 @@ Each rank reports, per case, what ``engine.step()`` raised (or null) at each ste
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 
 import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tests.launch import run_cases
+from tests.launch import case_arguments, run_cases
 
 SEED, VOCAB, T = 1234, 128, 24
 SEGMENTS = ((0, 8), (8, 18), (18, 24))  # rank 0's packed row in packed_skip
@@ -117,12 +116,7 @@ CASES = {"late_leak": late_leak, "packed_skip": packed_skip}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", action="append", required=True, choices=list(CASES))
-    parser.add_argument("--result_dir", required=True)
-    parser.add_argument("--master_port", type=int, required=True)
-    parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed runner passes it
-    args = parser.parse_args()
+    args = case_arguments(CASES)
     run_cases("rank_agreement_worker", args.case, lambda case: CASES[case](args.master_port),
               args.result_dir)
 
