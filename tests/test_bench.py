@@ -10,7 +10,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -237,13 +236,58 @@ def test_an_interrupt_ends_the_rounds_and_each_round_was_saved(monkeypatch):
     monkeypatch.setattr(frontier, "_one_round", one_round)
     saved = []
     records, stop = frontier._rounds([object()], [[None]], {"rounds": 5, "max_minutes": None},
-                                     time.perf_counter(),
+                                     frontier.Clock(None),
                                      lambda records: {"runs": [], "rounds": list(records)},
                                      lambda report: saved.append(len(report["rounds"])))
     assert [r["round"] for r in records] == [0, 1] and saved == [1, 2]
     assert stop == {"reason": "interrupted", "undecided": []}
     assert "2 paired rounds (interrupted)" in report_module._stop_line(
         {"stop": stop, "rounds": records})
+
+
+TINY_AUTO = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "8", "--group-size",
+             "4", "--grad-accum", "2", "--budgets", "1.10", "--codec-backend", "eager",
+             "--threads", "1", "--methods", "nogc,gc,hr,hilore", "--rounds", "auto"]
+
+
+def test_max_minutes_bounds_the_whole_bench_not_only_its_rounds(tmp_path):
+    """Out of time before the warm-up (a limit of 6 ms): the runs the decisive comparisons need
+    are still warmed up and planned, the others dropped with the reason; one round, then the
+    bench stops on its minutes."""
+    path = tmp_path / "b.json"
+    assert cli.main(TINY_AUTO + ["--max-minutes", "0.0001", "--json", str(path)]) == 0
+    report = json.loads(path.read_text(encoding="utf-8"))
+    rows = {r["method"]: r for r in report["runs"]}
+    assert rows["hr"]["skipped"].startswith("not warmed up: --max-minutes 0.0001")
+    assert rows["hilore"]["warmed"] is True and rows["hilore"]["plans"]
+    assert all(rows[m]["skipped"] is None for m in ("nogc", "gc", "hilore"))
+    assert len(report["rounds"]) == 1 and report["stop"]["reason"] == "max_minutes"
+    assert set(report["rounds"][0]["wall_s"]) == {"nogc", "gc", "hilore@1.1"}
+
+
+def test_an_interrupt_in_the_warm_up_saves_what_was_measured(monkeypatch, tmp_path, capsys):
+    """SIGINT while HiLoRe warms up: the document says where it stopped, every run's row is
+    there (none measured), and the bench exits 1 with one line naming the file."""
+    from ds_hilore.bench import frontier
+
+    real = frontier.step
+
+    def step(run, micro_batches, **kwargs):
+        if run.method == "hilore" and run.warmup_steps == 1:
+            raise KeyboardInterrupt
+        return real(run, micro_batches, **kwargs)
+
+    monkeypatch.setattr(frontier, "step", step)
+    path = tmp_path / "b.json"
+    assert cli.main(TINY_AUTO + ["--json", str(path)]) == 1
+    report = json.loads(path.read_text(encoding="utf-8"))
+    assert report["stop"] == {"reason": "interrupted", "phase": "warming up", "undecided": []}
+    assert report["rounds"] == [] and [r["method"] for r in report["runs"]] == [
+        "nogc", "gc", "hr", "hilore"]
+    assert all(r["skipped"] == "not measured" for r in report["runs"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"hilore bench: error: interrupted while warming up, before any paired round; "
+                   f"what was measured is in {path}")
 
 
 def test_a_codec_that_fell_back_to_eager_is_reported(monkeypatch):
@@ -490,17 +534,19 @@ def test_adaptive_rounds_stop_when_decided_or_out_of_time(monkeypatch):
 
     monkeypatch.setattr(frontier, "_one_round", one_round)
     config = {"rounds": "auto", "max_minutes": None}
-    records, stop = frontier._rounds([None], [[]], config, time.perf_counter(), provisional)
+    records, stop = frontier._rounds([None], [[]], config, frontier.Clock(None), provisional)
     assert stop == {"reason": "decided", "undecided": []}
     assert len(records) == paired.MIN_ROUNDS  # decided as soon as an interval exists
     level = _fake_report(shift_gc=1.10, shift_static=1.0, n=40)  # static level: never decided
     monkeypatch.setattr(frontier, "_one_round", lambda live, i, d, s: level["rounds"][i])
     config = {"rounds": "auto", "max_minutes": 1.0}
-    records, stop = frontier._rounds([None], [[]], config, time.perf_counter() - 59.0,
+    clock = frontier.Clock(1.0)
+    clock.begin -= 59.0
+    records, stop = frontier._rounds([None], [[]], config, clock,
                                      lambda recs: dict(level, rounds=recs))
     assert stop["reason"] == "max_minutes" and len(records) == 1  # one more round would pass it
     records, stop = frontier._rounds([None], [[]], {"rounds": 8, "max_minutes": None},
-                                     time.perf_counter(), lambda recs: dict(level, rounds=recs))
+                                     frontier.Clock(None), lambda recs: dict(level, rounds=recs))
     assert len(records) == 8 and stop["reason"] == "rounds"
 
 

@@ -16,6 +16,10 @@ lengths; ``--drop-zero-advantage``: the filtered variant), in this order:
    decisive comparisons (``ds_hilore.bench.targets.decisive``) are decided, or ``--max-minutes``
    would be passed by one more round.
 
+``--max-minutes`` bounds the whole bench, not only its rounds (NOTE [ The bench's minutes ]).
+An interrupt (SIGINT, as ``timeout`` sends) in any phase ends the bench with the report of what
+was measured so far, ``stop.phase`` naming where it stopped.
+
 The report: ``config``, ``host``, ``gc_peak_bytes``, ``profile_s``, ``regime`` (the shape's
 ratios: no-GC's peak over GC's, GC's recompute share of its update's FLOPs, sequences per
 microbatch), ``rounds`` (raw samples), ``runs`` (one row per run, ``ds_hilore.bench.summary``),
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -110,9 +115,12 @@ def _find_block_k(base, config, budget: float, gc_run: Run, data) -> tuple[int, 
     return lo, probes
 
 
-def _setup_runs(base, config, steps) -> tuple[list[Run], int, dict]:
-    """Every run (nogc / gc first: GC's peak is the unit of every budget); GC's probe peak."""
+def _setup_runs(base, config, steps, state=None) -> tuple[list[Run], int, dict]:
+    """Every run (nogc / gc first: GC's peak is the unit of every budget); GC's probe peak.
+    ``state["runs"]`` holds every run as it is made (closed should the bench be ended)."""
     runs = [new_run(m, None, base, config) for m in config["methods"] if not METHODS[m].budgeted]
+    if state is not None:
+        state["runs"] = runs
     gc_run = next(r for r in runs if r.method == "gc")
     if gc_run.skipped:
         raise RuntimeError(f"gc cannot run: {gc_run.skipped}")
@@ -137,25 +145,84 @@ def _setup_runs(base, config, steps) -> tuple[list[Run], int, dict]:
     return runs, gc_peak, block_k
 
 
-def _warm_up(live: list[Run], steps, device: str, strict: bool) -> None:
-    for run in live:
+# NOTE [ The bench's minutes ]
+# ``--max-minutes`` is the whole bench's time: a one-shot run (a GPU lent for minutes) must end
+# with a verdict, and the warm-up (HiLoRe's profiling, calibration and leave-one-out, run by run)
+# can take most of it. So before each warm-up step the bench asks whether the time left still
+# holds what must follow for the runs warmed so far: the peak and gradient passes (about
+# ``batches`` + 3 steps of each) and MIN_ROUNDS paired rounds, a run's step priced at its
+# latest warm-up step. When it does not, the runs the decisive comparisons need
+# (``ESSENTIAL``: the references and the two HiLoRe allocators, warmed first) finish their
+# warm-up, marked ``warmed: false`` should they stop at the cap, and every other run not yet
+# warmed is dropped, its row saying why: fewer runs make shorter rounds, so more of them fit.
+ESSENTIAL = ("nogc", "gc", "hilore", "static")
+
+
+class Clock:
+    """The bench's time: ``limit_s`` (None: unbounded) from its making; ``step_s`` holds each
+    warmed run's latest warm-up step (seconds), the price of its steps to come."""
+
+    def __init__(self, minutes: float | None):
+        self.begin = time.perf_counter()
+        self.limit_s = None if minutes is None else 60.0 * minutes
+        self.step_s: dict[str, float] = {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.begin
+
+    def short(self, batches: int) -> bool:
+        """The time left no longer holds the passes and MIN_ROUNDS rounds of the runs priced
+        so far."""
+        if self.limit_s is None:
+            return False
+        round_s = sum(self.step_s.values())
+        return self.elapsed() + (batches + 3 + MIN_ROUNDS) * round_s > self.limit_s
+
+
+def _warm_up(live: list[Run], steps, device: str, strict: bool, clock: Clock | None = None,
+             batches: int = 2) -> None:
+    """Each run warmed up, the ``ESSENTIAL`` ones first; with ``clock``, runs the time left
+    cannot hold are dropped (NOTE [ The bench's minutes ])."""
+    clock = clock or Clock(None)
+    for run in sorted(live, key=lambda r: r.method not in ESSENTIAL):
+        essential = run.method in ESSENTIAL
+        if not essential and clock.short(batches):
+            _drop(run, clock)
+            continue
         collect()  # NOTE [ One baseline for every run ] (runs.py)
         begin, done = time.perf_counter(), False
         try:
             while not done and run.warmup_steps < MAX_WARMUP:
+                t0 = time.perf_counter()
                 step(run, steps[run.warmup_steps % len(steps)])
+                sync(device)
+                clock.step_s[run.label] = time.perf_counter() - t0
                 run.warmup_steps += 1
                 done = warm(run)
+                if not done and not essential and clock.short(batches):
+                    break
         except Exception as error:  # noqa: BLE001 -- the run is reported as failed
             if strict:
                 raise
             run.skipped = f"failed: {first_line(error)}"
+            clock.step_s.pop(run.label, None)
             close(run)
             continue
-        sync(device)
+        if not done and not essential and run.warmup_steps < MAX_WARMUP:
+            _drop(run, clock)
+            continue
         run.profile_s, run.warmed = time.perf_counter() - begin, done
         progress(f"warm-up {run.label}: {run.warmup_steps} step(s), {run.profile_s:.2f} s"
                  + ("" if done else " (HiLoRe still planning: stopped at the cap)"))
+
+
+def _drop(run: Run, clock: Clock) -> None:
+    minutes = clock.limit_s / 60.0
+    run.skipped = (f"not warmed up: --max-minutes {minutes:g} left no time for it after the "
+                   f"runs the decisive comparisons need ({clock.elapsed() / 60.0:.1f} min used)")
+    progress(f"{run.label}: {run.skipped}")
+    clock.step_s.pop(run.label, None)
+    close(run)
 
 
 def _gradients(live: list[Run], steps, init, strict: bool = False) -> None:
@@ -233,7 +300,7 @@ def bucket_plans(runtime) -> dict[str, dict[str, str]] | None:
             for key, bucket in policy.buckets.items() if bucket.plan is not None}
 
 
-def _rounds(live, steps, config, begin: float, provisional,
+def _rounds(live, steps, config, clock: Clock, provisional,
             saved=None) -> tuple[list[dict], dict]:
     """Paired rounds, fixed or until decided (``auto``); the records and why they stopped,
     with the decisive comparisons left undecided. ``saved(report)`` after each round (the
@@ -241,13 +308,11 @@ def _rounds(live, steps, config, begin: float, provisional,
     sends) ends the rounds, and the ones completed are reported."""
     auto = config["rounds"] == "auto"
     target = MAX_ROUNDS if auto else config["rounds"]
-    minutes = config["max_minutes"] or (AUTO_MINUTES if auto else None)
     records: list[dict] = []
     reason = "rounds"
     while len(records) < target:
-        elapsed = time.perf_counter() - begin
         per_round = (sum(sum(r["wall_s"].values()) for r in records) / len(records)) if records else 0
-        if minutes is not None and records and elapsed + per_round > 60 * minutes:
+        if clock.limit_s is not None and records and clock.elapsed() + per_round > clock.limit_s:
             reason = "max_minutes"
             break
         k = len(records)
@@ -273,32 +338,68 @@ def _rounds(live, steps, config, begin: float, provisional,
 
 def run_bench(config: dict[str, Any], save=None) -> dict[str, Any]:
     """Everything the bench measures, as the JSON document (see the module docstring);
-    ``save(document)`` is also handed the document so far after each paired round."""
-    begin, device = time.perf_counter(), config["device"]
+    ``save(document)`` is also handed the document so far after each paired round. An
+    interrupt before the rounds ends with the document of what was measured, ``stop.phase``
+    naming the phase it ended in."""
+    auto = config["rounds"] == "auto"
+    clock = Clock(config["max_minutes"] or (AUTO_MINUTES if auto else None))
+    state: dict[str, Any] = {"phase": "building the model", "runs": []}
+    try:
+        return _measure(config, save, clock, state)
+    except KeyboardInterrupt:
+        progress(f"interrupted while {state['phase']}: no paired round ran")
+        if "provisional" in state:
+            out = state["provisional"]([])
+        else:  # nothing measured yet: the configuration alone
+            out = {"config": {k: v for k, v in config.items() if k != "layers_n"}, "runs": [],
+                   "rounds": []}
+        out["stop"] = {"reason": "interrupted", "phase": state["phase"], "undecided": []}
+        out["seconds"] = clock.elapsed()
+        return out
+    finally:
+        for run in state["runs"]:
+            close(run)
+        end_group()
+
+
+def _measure(config, save, clock: Clock, state: dict[str, Any]) -> dict[str, Any]:
+    device = config["device"]
     progress(f"building {config['model']} ({config['dtype']}, {device}, "
              f"{'full fine-tuning' if config['full'] else 'LoRA r=' + str(config['lora_r'])})")
     base = build_model(config)
     config["layers_n"] = len(lm_of(base).get_decoder().layers)
     steps = make_steps(base, config)
     init = {n: p.detach().clone() for n, p in base.named_parameters() if p.requires_grad}
-    runs, gc_probe_peak, block_k = _setup_runs(base, config, steps)
-    _warm_up([r for r in runs if r.live], steps, device, config.get("strict", False))
-    live = [r for r in runs if r.live]
-    progress("peak memory pass")
-    for run in live:
-        run.peak_bytes, run.activation_peak_bytes = measure_peak(run, steps[0], device)
-    progress("gradient and FLOP pass")
-    _gradients(live, steps, init, config.get("strict", False))
-    gc_run = next(r for r in runs if r.method == "gc")
-    gc_peak = gc_run.peak_bytes or gc_probe_peak  # same pass, every copy alive: same baseline
+    state["phase"] = "setting up the runs"
+    runs, gc_probe_peak, block_k = _setup_runs(base, config, steps, state)
+    gc_peak = gc_probe_peak
 
     def provisional(records):
         return summary.report(config, runs, gc_peak, steps, block_k, records)
 
+    state["provisional"] = provisional
+    state["phase"] = "warming up"
+    _warm_up([r for r in runs if r.live], steps, device, config.get("strict", False), clock,
+             config["batches"])
+    live = [r for r in runs if r.live]
+    state["phase"] = "measuring peaks"
+    progress("peak memory pass")
+    for run in live:
+        run.peak_bytes, run.activation_peak_bytes = measure_peak(run, steps[0], device)
+    gc_run = next(r for r in runs if r.method == "gc")
+    gc_peak = gc_run.peak_bytes or gc_probe_peak  # same pass, every copy alive: same baseline
+    state["phase"] = "measuring gradients and FLOPs"
+    progress("gradient and FLOP pass")
+    _gradients(live, steps, init, config.get("strict", False))
+
     def saved(document):
         save(dict(document, stop={"reason": "running", "undecided": []}))
 
-    records, stop = _rounds(live, steps, config, begin, provisional,
+    state["phase"] = "paired rounds"
+    if clock.limit_s is not None:
+        progress(f"paired rounds: {(clock.limit_s - clock.elapsed()) / 60:.1f} of "
+                 f"{clock.limit_s / 60:g} minutes left")
+    records, stop = _rounds(live, steps, config, clock, provisional,
                             None if save is None else saved)
     for run in runs:
         close(run)
@@ -306,7 +407,7 @@ def run_bench(config: dict[str, Any], save=None) -> dict[str, Any]:
     out = provisional(records)
     out["config"]["gc_probe_peak_bytes"] = int(gc_probe_peak)  # GC's first reading
     out["stop"] = stop
-    out["seconds"] = time.perf_counter() - begin
+    out["seconds"] = clock.elapsed()
     return out
 
 
@@ -327,6 +428,13 @@ def main(config: dict[str, Any], json_path: str | None, plot_path: str | None) -
     if json_path:  # before the table: a table that fails loses nothing
         save(report)
         progress(f"wrote {json_path}")
+    if not report["rounds"]:  # ended before its first paired round: nothing to compare
+        if "gc_peak_bytes" in report:
+            print(table(report))
+        print(f"hilore bench: error: interrupted while {report['stop'].get('phase')}, before any "
+              "paired round" + (f"; what was measured is in {json_path}" if json_path else ""),
+              file=sys.stderr)
+        return 1
     print(table(report))
     if plot_path:
         plot(report, plot_path)

@@ -229,7 +229,9 @@ def add_arguments(parser) -> None:
                              "auto: until hilore vs gc / static / the best in-budget rival (and any "
                              "rival level with it) is decided or --max-minutes is reached (default 7)")
     parser.add_argument("--max-minutes", metavar="M", type=float, default=None,
-                        help="stop adding rounds when the whole run would pass M minutes "
+                        help="the whole bench's time: runs the decisive comparisons do not "
+                             "need are dropped when their warm-up would leave no time for 6 "
+                             "rounds, and no round starts that would end past M minutes "
                              "(default: none; auto without it: 30)")
     parser.add_argument("--plot", metavar="OUT.png", default=None, help="write the frontier plot (PNG)")
     parser.add_argument("--layers", metavar="L", type=int, default=None, help="cut the model to L decoder layers")
