@@ -19,7 +19,7 @@ The runtime calls these (NOTE [ Policy ] in runtime/core.py); the decisions are 
 (allocate.py, risk.py, knapsack.py). Here: the pipeline, a bucket's planning and the risk fit.
 Alongside: a shape bucket and its prices (buckets.py), the risk of a microbatch's slices and
 where its exposure quartiles went (slices.py), the memory windows (metering.py), the matched
-passes (calibrate.py).
+passes (calibrate.py), what it reports and saves in a checkpoint (records.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ds_hilore.plan import budget as budgets
+from ds_hilore.plan import records
 from ds_hilore.plan.allocate import Plan, allocate
 from ds_hilore.plan.buckets import (Bucket, input_shape, kept_rows, priced_for_longest, priced_rooms,
                                     stores_all)
@@ -40,7 +41,7 @@ from ds_hilore.plan.calibrate import MatchedPasses
 from ds_hilore.plan.metering import Metering, agree
 from ds_hilore.plan.profile import BucketProfile, Profiler
 from ds_hilore.plan.risk import RiskModel, StepExposure
-from ds_hilore.plan.slices import count_slices, quartile_shares, unit_risks
+from ds_hilore.plan.slices import count_slices, unit_risks
 from ds_hilore.plan.validate import LeaveOneOut
 from ds_hilore.runtime.elision import unverified_rows_to_r
 
@@ -246,62 +247,13 @@ class Scheduler:
 
     @property
     def stats(self) -> dict[str, Any]:
-        s = self.last_stats or self.step_stats
-        est = self._estimates(s)
-        bucket = self.bucket
-        return {"peak_bytes": s.get("peak_bytes"),
-                "budget_bytes": bucket.budget_bytes if bucket else None,
-                "budget_bound": bucket.budget_bound if bucket else None,
-                "peak_exact": s.get("peak_exact"),
-                "peak_reserved_bytes": s.get("peak_reserved_bytes"),
-                "grad_error_est": est["step"],
-                "grad_error_measured": s.get("grad_error_measured"),
-                "grad_error_est_microbatch": est["microbatches"],
-                "grad_error_measured_microbatch": s.get("grad_error_measured_microbatch"),
-                "exposure_quartiles": quartile_shares(s.get("exposure_slices")),
-                "predicted_microbatches": s.get("predicted_microbatches", 0),
-                "alloc_s": s.get("alloc_s", self.alloc_s),
-                "risk_budget": self.config.grad_error_tolerance * self.tighten,
-                "plans": {f"{k[0]}x{k[1]}": (b.plan.to_dict() if b.plan else None)
-                          for k, b in self.buckets.items()},
-                "leave_one_out": {f"{k[0]}x{k[1]}": {"utilities_s": b.loo_utilities,
-                                                     "recomputed_layers": sorted(b.excluded)}
-                                  for k, b in self.buckets.items() if b.loo_utilities is not None},
-                "ranking": self.passes.ranking,
-                "calibration": {"microbatches": self.calibrated, "seconds": self.passes.seconds,
-                                "dropped_nonfinite": self.passes.dropped,
-                                "pieces": self.passes.pieces, "pass_peak_bytes": self.passes.peak_bytes,
-                                "susceptibility": dict(self.risk.to_dict()["samples"])},
-                "profiles": {f"{k[0]}x{k[1]}": (b.profile.to_dict() if b.profile else None)
-                             for k, b in self.buckets.items()}}
+        return records.stats(self)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"risk": self.risk.to_dict(), "tighten": self.tighten, "calibrated": self.calibrated,
-                "step_exposure": self.step_exposure.to_dict(),
-                "profiles": [b.profile.to_dict() for b in self.buckets.values() if b.profile],
-                "excluded": {f"{k[0]}x{k[1]}": sorted(b.excluded) for k, b in self.buckets.items()
-                             if b.profile},
-                "shortest": {f"{k[0]}x{k[1]}": b.shortest for k, b in self.buckets.items()
-                             if b.profile and b.shortest},
-                # a plan that peaked over the budget stays cut after a resume
-                "headroom_cut": {f"{k[0]}x{k[1]}": b.headroom_cut for k, b in self.buckets.items()
-                                 if b.profile and b.overshot}}
+        return records.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.risk = RiskModel.from_dict(state.get("risk", {}))
-        self.tighten = float(state.get("tighten", 1.0))
-        self.calibrated = int(state.get("calibrated", 0))
-        self.step_exposure = StepExposure.from_dict(state.get("step_exposure", {}))
-        for data in state.get("profiles", []):
-            profile = BucketProfile.from_dict(data)
-            bucket = Bucket(profile.key, Profiler(profile.key, 0), profile)
-            bucket.excluded = set(state.get("excluded", {}).get(f"{profile.key[0]}x{profile.key[1]}", []))
-            bucket.shortest = state.get("shortest", {}).get(f"{profile.key[0]}x{profile.key[1]}")
-            cut = state.get("headroom_cut", {}).get(f"{profile.key[0]}x{profile.key[1]}")
-            if cut is not None:
-                bucket.headroom_cut, bucket.overshot = int(cut), True
-            self.buckets[profile.key] = bucket
-            self._plan_bucket(bucket, profiled=False)
+        records.load_state_dict(self, state)
 
     # ------------------------------------------------------------------ planning
     def _plan_bucket(self, bucket: Bucket, profiled: bool = True) -> None:
@@ -529,16 +481,6 @@ class Scheduler:
         """(M_i per sequence, E_{u,i} per unit and sequence) of ``mb``, read by the runtime with
         the coefficients (NOTE [ Two reads per microbatch ] in runtime/reads.py)."""
         return mb.exposure_lists()
-
-    def _estimates(self, stats: dict) -> dict:
-        """The step's estimate (sum of its risks, NOTE [ Risk in step units ]) and each
-        microbatch's own (relative to its gradient); for a step in progress, this rank's so far."""
-        closed = stats.get("grad_error_est_step")
-        if closed is not None:
-            return {"step": closed["step"], "microbatches": list(stats.get("grad_error_est") or [])}
-        mass = sum(self.step_exposure.masses)
-        step = sum(self.step_exposure.risks) / mass if mass > 0 else None
-        return {"step": step, "microbatches": list(stats.get("grad_error_est") or [])}
 
     def _risk_budget(self) -> float:
         return self.config.grad_error_tolerance * self.tighten
