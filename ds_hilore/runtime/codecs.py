@@ -54,8 +54,11 @@ _EAGER_CHUNK_NUMEL_ACCELERATOR = 1 << 24  # on other devices (NOTE [ Eager chunk
 # the same pass, the reconstruction error that Packed.rel_error reports. The same Python
 # function is the eager backend and, under torch.compile, the compiled one (inductor fuses
 # it into one C++ loop nest on CPU, Triton on GPU). Eager and compiled run the same IEEE ops
-# (amax, one true division, round-half-even, casts), so their payloads and scales agree
-# bitwise; only the error sums differ in the last bits (summation order).
+# (amax, a product by 1 / qmax, one true division, round-half-even, casts), so their payloads
+# and scales agree bitwise; only the error sums differ in the last bits (summation order). On
+# GPUs that needs inductor told to keep eager's numerics (IEEE division and subnormals in
+# Triton, ``_Kernel._inductor``), and the scale written as the product inductor would make of
+# a division by a constant there.
 #
 # Scaling granularity is a reshape, not another kernel: per-token scaling runs the row
 # kernel on (N, G); per-block scaling runs it on the (N * G/b, b) view, so a contiguous
@@ -208,7 +211,12 @@ class _Kernel:
         from torch._inductor.compile_fx import compile_fx
 
         # Keep the bf16/fp16 rounding of x_hat: rel_error must measure what unpack returns.
-        with inductor_config.patch(emulate_precision_casts=True):
+        # On GPUs, Triton's division is IEEE-rounded and subnormals kept only with
+        # eager_numerics (where this torch has it): the payload then is eager's, bit for bit.
+        known = inductor_config.get_config_copy()
+        exact = {k: True for k in ("eager_numerics.division_rounding",
+                                   "eager_numerics.disable_ftz") if k in known}
+        with inductor_config.patch(emulate_precision_casts=True, **exact):
             compiled = compile_fx(gm, example_inputs)
         self.graphs += 1  # counted on success: dynamo may abort a first attempt and restart
         return compiled
@@ -311,7 +319,9 @@ def _aliases(args: tuple, unbacked: bool) -> list:
 # ---- kernels (see NOTE [ Codec kernels ]) -----------------------------------------------
 
 def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    scale = amax / qmax  # fp32
+    # a product, not amax / qmax: inductor turns a division by a constant into this product on
+    # GPUs (not on CPU), so eager and compiled kernels compute the same scale on every device
+    scale = amax * (1.0 / qmax)  # fp32
     return torch.where(scale > 0, scale, 1.0)  # all-zero (or all-subnormal) rows: scale 1
 
 
@@ -454,7 +464,7 @@ class CodecSpec:
     """One low-precision format: payload type, kernels and the options it accepts."""
 
     payload_dtype: torch.dtype
-    qmax: float  # largest payload magnitude: scale = amax / qmax
+    qmax: float  # largest payload magnitude: scale = amax * (1 / qmax)
     encode: _Kernel  # (R, B) rows -> (payload (R, B), amax (R, 1), (err^2, norm^2) fp64)
     decode: _Kernel  # (payload, scales, out) -> None, writes out
     summary: str
