@@ -87,16 +87,22 @@ def test_profiled_peak_is_an_offset_and_no_peak_counter_is_reset(scheduler, monk
     ("memory_budget_bytes", 800 * MiB, 500),  # absolute: the upper bound (the earlier peak)
 ])
 def test_a_window_under_an_earlier_peak_is_read_with_the_bound_its_budget_is_safe_with(
-        scheduler, monkeypatch, key, value, expected_mib):
+        scheduler, monkeypatch, caplog, key, value, expected_mib):
     scheduler.config = HiLoReConfig(**{key: value})
     cuda = _FakeCuda(allocated=100 * MiB, peak=500 * MiB, reserved=500 * MiB)
     cuda.install(monkeypatch)
-    scheduler.metering.open_profile()
-    cuda.alloc(100 * MiB)  # peaks at 200 MiB: under the earlier 500, the counter does not move
-    cuda.alloc(-100 * MiB)
-    assert scheduler.metering.close_profile(sampled=150 * MiB) == expected_mib * MiB
+    for _ in range(2):
+        scheduler.metering.open_profile()
+        cuda.alloc(100 * MiB)  # peaks at 200 MiB: under the earlier 500, the counter does not move
+        cuda.alloc(-100 * MiB)
+        with caplog.at_level("WARNING", logger="ds_hilore"):
+            assert scheduler.metering.close_profile(sampled=150 * MiB) == expected_mib * MiB
     assert scheduler.step_stats["peak_exact"] is False
     assert cuda.resets() == []
+    said = [r.getMessage() for r in caplog.records if "earlier, higher peak" in r.getMessage()]
+    assert len(said) == 1  # once, naming the fix
+    assert "a profiled microbatch" in said[0] and "500.0 MiB" in said[0] and \
+        "150.0 MiB, a lower bound" in said[0] and "torch.cuda.reset_peak_memory_stats()" in said[0]
 
 
 def test_the_step_peak_is_measured_from_the_steps_first_forward(scheduler, monkeypatch):
@@ -151,7 +157,7 @@ def test_the_budget_is_clamped_to_what_the_device_can_give(monkeypatch, key, val
     (900, 0),  # under an earlier peak: only its lower bound is known, no re-plan for it
 ])
 def test_the_plans_peak_is_checked_as_an_offset_and_over_the_budget_lowers_the_headroom(
-        scheduler, monkeypatch, earlier_mib, cut_mib):
+        scheduler, monkeypatch, caplog, earlier_mib, cut_mib):
     from ds_hilore.plan.allocate import Plan
     from ds_hilore.plan.profile import Profiler
     from ds_hilore.plan.scheduler import Bucket
@@ -167,9 +173,14 @@ def test_the_plans_peak_is_checked_as_an_offset_and_over_the_budget_lowers_the_h
     check = scheduler.metering.check
     cuda.alloc(560 * MiB)  # the plan's microbatch peaks at 660 MiB
     cuda.alloc(-560 * MiB)
-    scheduler.metering.end_check(check)
+    with caplog.at_level("WARNING", logger="ds_hilore"):
+        scheduler.metering.end_check(check)
     assert bucket.checked is plan and scheduler.metering.check is None and cuda.resets() == []
     assert bucket.headroom_cut == cut_mib * MiB
+    said = [r.getMessage() for r in caplog.records if "earlier, higher peak" in r.getMessage()]
+    assert len(said) == (0 if cut_mib else 1)  # unseen overshoot: said, with the fix
+    assert all("the check of the plan for 2x8" in m for m in said)
+    assert scheduler.step_stats.get("peak_exact", True) is bool(cut_mib)
     assert planned == ([False] if cut_mib else [])
     scheduler.metering.open_check(bucket, 8, "whole")  # this plan was checked: not again
     assert scheduler.metering.check is None

@@ -38,7 +38,7 @@ import torch
 
 from ds_hilore._errors import HiLoReError
 from ds_hilore.bench.frontier import make_steps
-from ds_hilore.bench.runs import build_model, close, lm_of, new_run, step, sync, warm
+from ds_hilore.bench.runs import build_model, close, fresh_peak, lm_of, new_run, step, sync, warm
 
 __all__ = ["check", "main"]
 
@@ -147,6 +147,7 @@ def _peaks(run, micro_batches, device: str) -> dict[str, int]:
 def _memory(base, config, steps, budget: float) -> dict[str, Any]:
     device = config["device"]
     with _opened("hilore", base, config, budget) as run:
+        fresh_peak(device)  # profiled under no earlier peak of the checks above
         for _ in range(MAX_WARMUP):
             step(run, steps[0])
             if warm(run):

@@ -56,7 +56,7 @@ from ds_hilore.bench.options import (DEFAULT_METHODS, MAX_ROUNDS, PRESETS, Bench
                                      add_arguments, check_args, parse_budgets)
 from ds_hilore.bench.paired import MIN_ROUNDS
 from ds_hilore.bench.report import plot, table
-from ds_hilore.bench.runs import (Run, build_model, close, collect, first_line, lm_of,
+from ds_hilore.bench.runs import (Run, build_model, close, collect, first_line, fresh_peak, lm_of,
                                   logprobs, measure_peak, new_run, progress, step, sync, warm)
 from ds_hilore.bench.targets import decisive
 
@@ -190,6 +190,7 @@ def _warm_up(live: list[Run], steps, device: str, strict: bool, clock: Clock | N
             _drop(run, clock)
             continue
         collect()  # NOTE [ One baseline for every run ] (runs.py)
+        fresh_peak(device)
         begin, done = time.perf_counter(), False
         try:
             while not done and run.warmup_steps < MAX_WARMUP:

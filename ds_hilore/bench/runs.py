@@ -23,7 +23,8 @@ from ds_hilore.bench.methods import METHODS, Context
 from ds_hilore.bench.options import PRESETS
 from ds_hilore.grpo import policy_loss, token_logprobs
 
-__all__ = ["Run", "build_model", "close", "logprobs", "measure_peak", "new_run", "step", "warm"]
+__all__ = ["Run", "build_model", "close", "fresh_peak", "logprobs", "measure_peak", "new_run",
+           "step", "warm"]
 
 STEP_SEED = 1234
 
@@ -274,6 +275,16 @@ def collect() -> None:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def fresh_peak(device: str) -> None:
+    """CUDA: the device's peak counters reset before a run warms up. HiLoRe never resets them
+    (other readers share them) and reads a window under an earlier peak only as bounds (NOTE
+    [ Shared peak counters ] in runtime/memory.py): a run profiled after a run that peaked
+    higher (no checkpointing) would plan from sampled bytes, a lower bound, and its plan's
+    check could not see an overshoot. The bench owns its process: nothing else reads them."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
 
 
 def measure_peak(run: Run, micro_batches, device: str) -> tuple[int, int]:

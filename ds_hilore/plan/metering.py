@@ -81,6 +81,7 @@ class Metering:
         # bucket key -> (step it was planned in, bytes in use less gradients when it was)
         self.awaiting: dict[tuple[int, int], tuple[int, int]] = {}
         self.codec_warm = False  # NOTE [ A codec's first use ]
+        self.said_under_earlier_peak = False  # CUDA: a window under an earlier peak, said once
 
     # ------------------------------------------------------------------ pipeline
     def end_windows(self) -> None:
@@ -104,7 +105,26 @@ class Metering:
         self.s.step_stats["peak_bytes"] = max(self.s.step_stats["peak_bytes"] or 0, peak)
         if self.check is not None:
             check = self.check
+            if isinstance(check[2], DevicePeak):
+                check[2].sample()  # the start of the backward: the window's floor, if not exact
             _queue_callback(lambda: self.end_check(check))
+
+    def _under_earlier_peak(self, what: str, meter: DevicePeak) -> None:
+        """A CUDA window that stayed under an earlier peak of the process (NOTE [ Shared peak
+        counters ] in runtime/memory.py): said once, at WARNING; ``stats["peak_exact"]``
+        records each step it happened in."""
+        if self.said_under_earlier_peak:
+            return
+        self.said_under_earlier_peak = True
+        logger.warning(
+            "ds_hilore: %s ran under an earlier, higher peak of this process on %s (%.1f MiB; "
+            "e.g. generation, or another model's step). CUDA's peak counter is shared and "
+            "ds_hilore never resets it, so that window's own peak is known only from in-use "
+            "samples (%.1f MiB, a lower bound): plans may keep less than the budget allows, and "
+            "a plan that goes over the budget is not seen to. Fix: call "
+            "torch.cuda.reset_peak_memory_stats() before the training step (where nothing else "
+            "needs the process's peak since its start).", what, meter.device,
+            meter.prior / 2**20, meter.peak / 2**20)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -152,6 +172,8 @@ class Metering:
         relative = config.memory_budget_bytes is None and config.memory_fraction is None
         stats = self.s.step_stats
         stats["peak_exact"] = stats.get("peak_exact", True) and meter.exact
+        if not meter.exact:
+            self._under_earlier_peak("a profiled microbatch (gradient checkpointing's peak)", meter)
         stats["peak_reserved_bytes"] = max(stats.get("peak_reserved_bytes") or 0, meter.reserved_peak)
         return meter.peak if relative else meter.upper
 
@@ -261,6 +283,10 @@ class Metering:
             peak = upper = meter.freeze()
         else:  # CUDA: a lower bound when not exact, ``upper`` what it is known not to exceed
             peak, upper = meter.close(), meter.upper
+            if not meter.exact:
+                self.s.step_stats["peak_exact"] = False
+                self._under_earlier_peak(f"the check of the plan for {bucket.key[0]}x"
+                                         f"{bucket.key[1]}", meter)
         stats = self.s.step_stats
         stats["peak_bytes"] = max(stats["peak_bytes"] or 0, peak)
         over = float(peak - bucket.budget_bytes)
