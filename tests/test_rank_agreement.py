@@ -50,6 +50,12 @@ def test_a_packed_row_on_one_rank_skips_the_backward_as_the_other_ranks_do(ranks
     assert got[0]["params"] == got[1]["params"]  # and both stepped on the same gradients
 
 
+def test_a_forward_that_stops_short_recomputes_on_every_rank(ranks):
+    got = [_case(r, "stopped_short") for r in ranks]
+    for rank in got:  # both steps completed on both ranks: the recompute was collective
+        assert rank["raised"] == [None, None] and rank["global_steps"] == 2, rank
+
+
 @pytest.fixture(scope="module")
 def planned():
     """One launch of tests/workers/plan_agreement_worker.py (its docstring says what each case

@@ -141,9 +141,14 @@ class MatchedPasses:
             self.step_jobs.append(self.job)
 
     def top_grad(self, mb, grad: torch.Tensor) -> None:
-        job = self.job
+        """``mb``'s backward reached its last layer: its gradient there goes to the pass chosen
+        at its own forward (``mb.pass_job``), never to a later forward's (a forward with grad
+        between a microbatch's forward and its backward, e.g. a reference model's that is never
+        backpropagated): that job is the one the step's passes then run."""
+        job = mb.pass_job
         if job is None or job.grad is not None:
             return
+        self.job = job
         job.grad = grad.detach().clone()  # (B, T, H)
         job.exposure = {name: values.tolist() for name, values in mb.exposure.items()}
         if mb.token_weights is not None:

@@ -124,6 +124,7 @@ class Scheduler:
         if self.passes.running or self.bucket is None:
             return
         mb.plan_key = self.bucket.key
+        mb.pass_job = self.passes.job  # the matched pass chosen at its forward, if any
         mb.timing, self.timing = self.timing, None
         mb.derive = mb.derive and self.derives(self.bucket)
         mb.predicted, self.applied = (self.applied if self.bucket.plan is not None else None), None

@@ -122,6 +122,7 @@ class LayerFrame:
         self.segments: list[tuple[int, int]] | None = None
         self.segments_independent = False
         self.elided_rows: set[int] = set()  # sequences with zero loss coefficients
+        self.rows_dropped: set[int] = set()  # of those, the ones whose kept bytes were dropped
         self.elision_ok = True  # gradient enters only through the output (runtime decides)
         self.elision_checked = False  # the backward checks elided rows (same on every rank)
         self.check_every_layer = False  # hidden states are recorded: check this layer too

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+import weakref
 from typing import Callable
 
 import torch
@@ -247,9 +248,13 @@ def record(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device, i
         handles.append(child.register_forward_pre_hook(
             lambda m, a, k, name=name: trace.enter(name, a, k), with_kwargs=True))
         handles.append(child.register_forward_hook(lambda m, a, out: trace.leave(out)))
+    # the graph keeps its saved-tensor hooks, and the trace keeps that graph's tensors: a hook
+    # holding the trace would make a cycle through C++ that Python's collector cannot see, and
+    # keep the trace, its ``is_weight`` (the runtime) and the model alive after ``detach``
+    ref = weakref.ref(trace)
     try:
         with _BodyOps(trace), _UnreadRng(trace), \
-                torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(lambda t: ref().pack(t), lambda t: t):
             out = fn(*args)
     finally:
         for h in handles:

@@ -64,6 +64,7 @@ class Elision:
     def __init__(self, runtime):
         self.runtime = runtime
         self._warned = False
+        self._warned_twice = False  # NOTE [ Coefficients handed twice ]
         self._late: torch.Tensor | None = None  # () bool: a late leak since the last read
 
     # ------------------------------------------------------------------ coefficients known
@@ -75,6 +76,10 @@ class Elision:
         if not frames:
             return
         abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
+        again = source == "analytic" and mb.source == "analytic"
+        if again:  # NOTE [ Coefficients handed twice ]
+            abs_omega = abs_omega + mb.token_weights
+            self._say_twice()
         # NOTE [ Packed sequences ] (packed.py)
         segments = mb.segments if abs_omega.shape[0] == 1 else None
         every = len(segments) if segments is not None else abs_omega.shape[0]
@@ -115,9 +120,26 @@ class Elision:
         mb.exposure.update({name: unit_exposure[name] for name in exposed})
         mb.exposure_read = (mass_read, {name: values for name, values in exposed.items()
                                         if len(values) == len(mass_read)})
-        if self.runtime.policy is not None:  # the allocator spends the risk budget now
+        if self.runtime.policy is not None and not again:  # the allocator spends the risk budget
             self.runtime.policy.after_coefficients(mb)
         self.runtime._summarise(mb)
+
+    # NOTE [ Coefficients handed twice ]
+    # Two losses computed from one forward's log-probs (a second ``policy_loss`` for a metric, or
+    # two loss terms) each hand their ω. What the first elided is gone from the kept bytes, so
+    # the second cannot simply replace it: the two are summed as |ω| (a sequence stays elided
+    # only where both are zero, and never again where either is not), the sequences the first
+    # dropped that the sum does not show zero are recomputed (``frame.rows_dropped``, read with
+    # the capture-time elisions by ``_unverified``: one collective decision), and the skip of an
+    # all-zero microbatch holds only if both are zero. The allocator's risk fit keeps the
+    # first's decision (it counted that microbatch once in the step). Said once.
+    def _say_twice(self) -> None:
+        if not self._warned_twice:
+            self._warned_twice = True
+            logger.warning("ds_hilore: loss coefficients were handed twice for one forward (two "
+                           "losses on its log-probs): sequences stay elided only where both are "
+                           "zero, and the allocator's risk fit keeps the first hand-off's. A loss "
+                           "computed only for a metric hands none under torch.no_grad().")
 
     @staticmethod
     def _elide(frame, to_r: set[str], all_zero: bool, source: str, zero: list[int], segments,
@@ -139,6 +161,7 @@ class Elision:
             frame.elided_rows = set(zero) if frame.elision_checked else set()
             rows_zero = [] if keep else zero
         if rows_zero and frame.elision_checked:
+            frame.rows_dropped |= set(rows_zero)
             for pos, action in enumerate(frame.plan.actions):
                 if action != "R":
                     frame.downgrade(pos, "E", rows_zero)
@@ -164,6 +187,9 @@ class Elision:
             if self.runtime.policy is not None:
                 self.runtime.policy.top_grad(mb, grad)
             return
+        if mb.last_layer != self.runtime._last_active and not mb.stopped_short:
+            mb.stopped_short = True  # the first layer-output gradient of its backward
+            self._stopped_short(mb)
         frame = frame_ref()
         if frame is None or grad is None or grad.dim() < 2:
             return
@@ -192,6 +218,24 @@ class Elision:
             self._fall_back(frames)
         elif any(f.elided_rows for f in frames):
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._defer_late(mb))
+
+    def _stopped_short(self, mb) -> None:
+        """A forward that stopped before the last HiLoRe layer (an early exit, a model cut for
+        one call) has no check at the top (``_check_at_top``), so nothing it elided -- rows
+        elided at capture (``expect``) or from ω -- is verified, and no late flag is read:
+        every frame holding an elided sequence recomputes it instead, before any layer's
+        backward reads a stand-in. The same on every rank: under several ranks one all-reduce
+        decides, and then every frame that keeps anything recomputes (plans are the same on
+        every rank; the sequences elided are each rank's own)."""
+        frames = mb.live_frames()
+        elided = [f for f in frames if f.elided_rows or f.skip_zero_recompute or any(
+            rows is not None and "E" in rows for rows in f.plan.rows)]
+        collective = self.runtime.collective
+        if collective is not None:
+            if collective.all_reduce_max([int(bool(elided))])[0] == 0:
+                return
+            elided = [f for f in frames if any(a != "R" for a in f.plan.actions)]
+        self._fall_back(elided)
 
     def _skips_layers(self, mb) -> bool:
         """Whether the gradient at the last layer's output is known to be exactly zero on every
@@ -398,16 +442,19 @@ def _verified(frame, every_zero: bool, zero: list[int], segments, source: str) -
 
 
 def _unverified(runtime, frames, zero_of) -> list[int]:
-    """One flag per unit of the model (unit order): a frame elided at capture a sequence
-    ``zero_of(frame)`` does not contain."""
+    """One flag per unit of the model (unit order): a frame elided a sequence ``zero_of(frame)``
+    does not contain, at capture or at an earlier hand-off of coefficients (NOTE
+    [ Coefficients handed twice ])."""
     index = {unit.name: k for k, unit in enumerate(runtime.units)}
     flags = [0] * len(index)
     for frame in frames:
         zero = zero_of(frame)
+        dropped = bool(frame.rows_dropped - zero)
         for pos, rows in enumerate(frame.plan.rows):
-            if rows is None or frame.plan.actions[pos] == "R":
+            if frame.plan.actions[pos] == "R":
                 continue
-            if any(a == "E" and i not in zero for i, a in enumerate(rows)):
+            if dropped or (rows is not None and any(a == "E" and i not in zero
+                                                    for i, a in enumerate(rows))):
                 flags[index[frame.layer.units[pos].name]] = 1
     return flags
 
@@ -456,6 +503,9 @@ def gradient_entry(out) -> tuple[bool, bool]:
 # optimizer skips a parameter without a gradient, but steps one with a zero gradient:
 # momentum, weight decay), so the step is the one without the skip, bitwise. Gradient
 # entering lower down (a loss on an intermediate hidden state) is not gated and still flows.
+# A backward that does not accumulate into every such parameter (``torch.autograd.grad``,
+# ``backward(inputs=...)``) is not skipped: the gate then recomputes the frames and the
+# layers' backward runs, so what it returns (zeros, an input's gradient) is autograd's own.
 # Off under ZeRO stages 1-3, whose gradient hooks partition and reduce every gradient as it
 # is made (``zero_backward_skip``, set by the engine integration); never on profiled or
 # timed microbatches, whose backward is being measured.
@@ -474,9 +524,15 @@ class TopGate(torch.autograd.Function):
             return grad, None
         node = ctx.saved_node
         ctx.saved_node = None
+        below = _accumulators(node)
+        if not _accumulates(below):  # the zeros would not reach .grad: the backward runs
+            mb.skip_layers_backward = False
+            Elision._fall_back(mb.live_frames())  # no stand-in read, no recompute skipped
+            return grad, None
         mb.summary["backward_skipped"] = True
-        for p in _reached_parameters(node):
-            if p.grad is None:
+        for fn in below:
+            p = fn.variable
+            if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         return None, None
 
@@ -489,18 +545,28 @@ def gate(hidden: torch.Tensor, mb) -> torch.Tensor:
     return out
 
 
-def _reached_parameters(node) -> list[torch.Tensor]:
-    """The leaves requiring grad that the graph below ``node`` accumulates into."""
+def _accumulators(node) -> list:
+    """The nodes that accumulate into leaves (parameters) in the graph below ``node``."""
     found, seen, stack = [], set(), [node]
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        leaf = getattr(fn, "variable", None)
-        if leaf is not None:
-            if leaf.requires_grad:
-                found.append(leaf)
+        if getattr(fn, "variable", None) is not None:
+            found.append(fn)
             continue
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return found
+
+
+def _accumulates(accumulators: list) -> bool:
+    """Whether the backward running now accumulates into every one of these leaves, as
+    ``.backward()`` does: not ``torch.autograd.grad`` (which returns gradients and touches no
+    ``.grad``; the engine refuses the question then), nor ``backward(inputs=...)`` leaving some
+    out. Only then may a skip stand for the zeros it would have written (NOTE [ A backward of
+    zeros ])."""
+    try:
+        return all(torch._C._will_engine_execute_node(fn) for fn in accumulators)
+    except RuntimeError:  # "... currently running autograd.grad()"
+        return False

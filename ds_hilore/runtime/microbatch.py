@@ -44,6 +44,7 @@ class Microbatch:
         self.late_leaks: list[torch.Tensor] = []  # per-layer elision checks of its backward
         self.skip_layers_backward = False  # NOTE [ A backward of zeros ] in elision.py
         self.gated = False  # the last layer's output went through ``gate`` at the forward
+        self.stopped_short = False  # its forward ended below the last HiLoRe layer (elision.py)
         # several sequences per row (NOTE [ Packed sequences ] in packed.py)
         self.packed: bool | None = None
         self.segments: list[tuple[int, int]] | None = None  # token ranges of the packed row
@@ -51,6 +52,7 @@ class Microbatch:
         self.profile = None  # a profiler measuring this microbatch's units (ds_hilore.plan)
         self.plan_key = None  # what the policy planned this microbatch with
         self.timing = None  # the policy's timing of this microbatch (leave-one-out), if any
+        self.pass_job = None  # the policy's matched pass of this microbatch, if any
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)

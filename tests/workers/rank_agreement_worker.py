@@ -13,6 +13,11 @@ ds_hilore/runtime/elision.py). Run by tests.launch.run_distributed; each ``--cas
   both ranks, so both skip their layers' backward (NOTE [ A backward of zeros ]) -- whether a
   row is packed is one rank's fact, and the decision to skip may not depend on it.
 
+* ``stopped_short``: ZeRO-3, H everywhere, ``elide_zero_rows`` true, every forward stopping
+  after the first of two layers (an early exit) with an entropy bonus: rank 0 elides two
+  sequences, rank 1 none. With no check at the top, what was elided is recomputed -- on both
+  ranks, or rank 0 alone would gather parameters rank 1 never gathers (a hang).
+
 Each rank reports, per case, what ``engine.step()`` raised (or null) at each step, HiLoRe's
 ``backward_skipped`` count, and the SHA-256 of the parameters at the end.
 """
@@ -112,7 +117,31 @@ def packed_skip(port: int) -> dict:
     return {"raised": raised, "backward_skipped": skipped, "params": _digest(engine)}
 
 
-CASES = {"late_leak": late_leak, "packed_skip": packed_skip}
+def stopped_short(port: int) -> dict:
+    engine = _engine(port, 3, 4, {"force_plan": "H", "elide_zero_rows": True})
+    rank = dist.get_rank()
+    config = engine.module.config
+    raised = []
+    for step in range(2):
+        ids = torch.randint(3, VOCAB, (4, T), generator=torch.Generator().manual_seed(10 * step + rank))
+        adv = torch.tensor([1.0, 0.0, -0.5, 0.0] if rank == 0 else [1.0, -1.0, 0.5, -0.5])
+        config.num_hidden_layers = 1  # an early exit: the forward stops below the last layer
+        try:
+            out = engine(input_ids=ids)
+        finally:
+            config.num_hidden_layers = 2
+        logits = out.logits[:, :-1].float()
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        from ds_hilore.grpo import policy_loss
+
+        loss = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp, dtype=torch.bool),
+                           model=engine.module).loss
+        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+        raised.append(_step(engine, loss - 0.1 * entropy))  # the entropy reaches every sequence
+    return {"raised": raised, "global_steps": engine.global_steps}
+
+
+CASES = {"late_leak": late_leak, "packed_skip": packed_skip, "stopped_short": stopped_short}
 
 
 def main() -> None:
