@@ -179,7 +179,7 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
         runtime.follow_script_checkpointing()
     if dist.is_initialized() and dist.get_world_size() > 1:
         runtime.collective = TorchDistCollective()
-    # NOTE [ A backward of zeros ] in runtime/elision.py: ZeRO 1-3 reduce gradients in hooks
+    # NOTE [ A backward of zeros ] in runtime/zero_backward.py: ZeRO 1-3 reduce gradients in hooks
     runtime.zero_backward_skip = engine.zero_optimization_stage() == 0
     if runtime.policy is not None:  # NOTE [ Matched passes under ZeRO-3 ] in plan/zero3_passes.py
         runtime.policy.passes.zero3_offload = getattr(engine.optimizer, "parameter_offload", None)

@@ -26,7 +26,7 @@ from ds_hilore.runtime import packed, report
 from ds_hilore.runtime.bundle import LayerFrame
 from ds_hilore.runtime.calls import drop_cache, hidden_input
 from ds_hilore.runtime.codecs import codec_from_config
-from ds_hilore.runtime.elision import Elision, gate, gradient_entry
+from ds_hilore.runtime.elision import Elision, gradient_entry
 from ds_hilore.runtime.install import Installation, checkpointing_on
 from ds_hilore.runtime.microbatch import Microbatch
 from ds_hilore.runtime.plans import ACTIONS, Plans
@@ -34,6 +34,7 @@ from ds_hilore.runtime.registry import ATTACHED as _ATTACHED  # noqa: F401 (impo
 from ds_hilore.runtime.registry import find_runtime, first_reached
 from ds_hilore.runtime.units import LayerUnits, Unit, find_layers, outside_compile
 from ds_hilore.runtime.weights import WeightRecognizer
+from ds_hilore.runtime.zero_backward import gate
 
 __all__ = ["ACTIONS", "HiLoReRuntime", "attach", "find_runtime"]
 
@@ -66,7 +67,7 @@ class HiLoReRuntime(Installation, Plans):
     def __init__(self, model: nn.Module, config: HiLoReConfig):
         self.model, self.config = model, config
         self.collective = None  # set by engine.py for multi-rank runs
-        # NOTE [ A backward of zeros ] in elision.py: off where gradient hooks reduce every
+        # NOTE [ A backward of zeros ] in zero_backward.py: off where gradient hooks reduce every
         # gradient as it is made (ZeRO stages 1-3; engine.py)
         self.zero_backward_skip = True
         # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
@@ -341,7 +342,7 @@ class HiLoReRuntime(Installation, Plans):
         hidden = out if isinstance(out, torch.Tensor) else next(
             (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
         if hidden is not None and hidden.requires_grad:
-            if last and self.zero_backward_skip:  # NOTE [ A backward of zeros ] in elision.py
+            if last and self.zero_backward_skip:  # NOTE [ A backward of zeros ] in zero_backward.py
                 gated = gate(hidden, mb)
                 out = _replaced(out, hidden, gated)
                 hidden, mb.gated = gated, True
