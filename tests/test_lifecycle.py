@@ -182,3 +182,31 @@ def test_a_detached_model_is_freed():
     del model, runtime
     gc.collect()
     assert alive() is None
+
+
+def test_a_forward_that_raises_ends_and_the_next_backbone_forward_begins_its_own():
+    """An exception before the first layer (in the embedding) and one inside a layer of a
+    profiled microbatch: the model's forward still ends (its op-level memory window closed), and
+    a backbone-only forward after it begins its own microbatch, with exact gradients."""
+    model, ref, runtime = _pair({"profile_microbatches": 3})
+    begun = []
+    begin = runtime.policy.begin_forward
+    runtime.policy.begin_forward = lambda *a, **k: (begun.append(k.get("replayable", True)),
+                                                    begin(*a, **k))[1]
+    try:
+        ids = _ids(5)
+        for where in (model.model.layers[1].mlp, model.get_input_embeddings()):
+            hook = where.register_forward_hook(lambda *_: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                model(input_ids=ids, use_cache=False)
+            hook.remove()
+            assert runtime.policy.metering.tracker is None  # no window left reading every op
+        begun.clear()
+        for m in (model, ref):
+            hidden = m.model(input_ids=ids).last_hidden_state
+            logits = m.lm_head(hidden)[:, :-1].float()
+            _grpo(m, logits, ids, SPREAD).backward()
+        assert begun == [False]  # begun at its first layer, not left to the failed forward
+        assert _same(_grads(model), _grads(ref))
+    finally:
+        runtime.detach()

@@ -171,6 +171,11 @@ class Scheduler:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_timing(mb))
         self.metering.top_grad(mb)
 
+    def forward_failed(self) -> None:
+        """A forward of the model raised: its memory windows end (no backward will close them;
+        an op-level tracker left open would read every op until the next training forward)."""
+        self.metering.end_windows()
+
     def detach(self) -> None:
         """The runtime detaches: no memory window stays open (NOTE [ Tracked on CPU ])."""
         self.metering.detach()

@@ -75,7 +75,7 @@ class HiLoReRuntime(Installation, Plans):
         # imports it: begin_forward(args, kwargs) before a training forward of the model,
         # begin_microbatch(mb) at its first layer, keeps_whole(mb) and after_coefficients(mb) once
         # ω and exposure are known, top_grad(mb, grad) when the backward reaches the last layer,
-        # end_step().
+        # forward_failed() when a forward of the model raised, end_step().
         self.policy = None
         self.attached = False
         self._switched_on = True
@@ -310,6 +310,8 @@ class HiLoReRuntime(Installation, Plans):
     @outside_compile  # NOTE [ Compiled layers ] (units.py)
     def _end_forward(self, module, args, output) -> None:
         self._forward_begun = False  # a forward that ran no HiLoRe layer begins nothing later
+        if output is None and self.policy is not None:  # it raised: no backward will come
+            self.policy.forward_failed()
 
     def _begin_at_layer(self, layer: LayerUnits, args: tuple, function) -> None:
         """A forward that did not pass through the model's pre-hook: begin it here."""

@@ -111,7 +111,8 @@ class Installation:
                 self._remember(module, "_set_gradient_checkpointing")
                 module._set_gradient_checkpointing = _Toggle(self, module._set_gradient_checkpointing)
         self._hooks.append(self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True))
-        self._hooks.append(self.model.register_forward_hook(self._end_forward))
+        # always_call: a forward that raises ends too (its output None), so nothing of it lingers
+        self._hooks.append(self.model.register_forward_hook(self._end_forward, always_call=True))
         # the leaf module running names the weight an autocast cast comes from (weights.py)
         for layer in self._layers:
             for leaf in layer.module.modules():
