@@ -210,3 +210,22 @@ def test_a_forward_that_raises_ends_and_the_next_backbone_forward_begins_its_own
         assert _same(_grads(model), _grads(ref))
     finally:
         runtime.detach()
+
+
+def test_forwards_that_always_stop_short_are_named_when_nothing_gets_planned(caplog):
+    """Profiling measures a microbatch from the last layer's output gradient, which such
+    forwards never produce: the warning after many unplanned microbatches says so (31 of the 32:
+    the first, discovery's, ran every layer)."""
+    model, _, runtime = _pair({"profile_microbatches": 2})
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+            for seed in range(33):
+                ids = _ids(seed)
+                _grpo(model, _logits(model, ids, layers=LAYERS - 1), ids, SPREAD).backward()
+                model.zero_grad(set_to_none=True)
+                runtime.end_step()
+        said = [r.getMessage() for r in caplog.records if "no shape has been planned" in r.getMessage()]
+        assert len(said) == 1 and "31 of their forwards stopped below the last HiLoRe layer " \
+            "(model.layers.2)" in said[0] and "layer_pattern" in said[0]
+    finally:
+        runtime.detach()

@@ -267,6 +267,16 @@ class HiLoReRuntime(Installation, Plans):
         plans = self.policy.stats.get("plans") or {}
         if any(plan is not None for plan in plans.values()):
             return
+        if self._elision.stopped_short:  # NOTE [ Checked elision ]: no top, nothing measured
+            logger.warning("ds_hilore: after %d training microbatches no shape has been planned: "
+                           "HiLoRe has run as gradient checkpointing (all R). %d of their forwards "
+                           "stopped below the last HiLoRe layer (%s), and a microbatch is measured "
+                           "for a plan from that layer's output gradient. Fix: let training "
+                           "forwards run every layer, or leave the layers they skip out of "
+                           "hilore.layer_pattern.", self._n_microbatches,
+                           self._elision.stopped_short,
+                           next(x.name for x in self._layers if x.index == self._last_active))
+            return
         logger.warning("ds_hilore: after %d training microbatches no shape has been planned: HiLoRe "
                        "has run as gradient checkpointing (all R). Shapes seen (batch x length, "
                        "rounded up to a power of two): %s; each needs profile_microbatches=%d "

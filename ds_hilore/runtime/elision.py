@@ -65,6 +65,7 @@ class Elision:
         self.runtime = runtime
         self._warned = False
         self._warned_twice = False  # NOTE [ Coefficients handed twice ]
+        self.stopped_short = 0  # backwards of forwards that ended below the last layer
         self._late: torch.Tensor | None = None  # () bool: a late leak since the last read
 
     # ------------------------------------------------------------------ coefficients known
@@ -228,6 +229,7 @@ class Elision:
         backward reads a stand-in. The same on every rank: under several ranks one all-reduce
         decides, and then every frame that keeps anything recomputes (plans are the same on
         every rank; the sequences elided are each rank's own)."""
+        self.stopped_short += 1
         frames = mb.live_frames()
         elided = [f for f in frames if f.elided_rows or f.skip_zero_recompute or any(
             rows is not None and "E" in rows for rows in f.plan.rows)]
