@@ -159,6 +159,36 @@ def test_a_non_finite_packed_run_sends_its_unit_to_recompute(monkeypatch):
     assert stats["recomputed_units"] == 4  # three R units, and the fallen-back L unit
 
 
+def test_codec_time_on_cuda_is_recorded_on_the_tensors_device_stream(monkeypatch):
+    """CUDA events timed on the stream of the device the codec ran on, not the current
+    device's (a process that never called set_device runs on cuda:0); resolved into seconds.
+    CUDA's stream and event API replaced by recording stand-ins."""
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.stream = None
+
+        def record(self, stream=None):
+            recorded.append(stream)
+            self.stream = stream
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 250.0  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", str(device)))
+    counters = Counters()
+    with counters.timed("pack_s", torch.device("cuda", 1)):
+        pass
+    assert recorded == [("stream of", "cuda:1")] * 2
+    assert counters.resolve().pack_s == 0.25
+
+
 def test_runs_pack_once_and_elided_rows_inside_a_run_get_stand_ins():
     codec = get_codec("int8", "eager")
     counters = Counters()

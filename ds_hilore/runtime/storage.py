@@ -92,12 +92,14 @@ class Counters:
             finally:
                 setattr(self, name, getattr(self, name) + time.perf_counter() - begin)
             return
+        # on the tensor's device's stream, whichever device is current
+        stream = torch.cuda.current_stream(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         try:
             yield
         finally:
-            end.record()
+            end.record(stream)
             self.events.append((name, start, end))
 
     def resolve(self) -> "Counters":
