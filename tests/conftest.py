@@ -13,6 +13,7 @@
 # Nothing in a test depends on the order of modules or on the load of the machine;
 # `make test PYTEST_WORKERS=0` runs the suite in one process.
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -62,9 +63,12 @@ def _close_memory_windows():
     """A test that profiles a microbatch and neither ends the step nor detaches leaves that
     microbatch's memory window open (NOTE [ Tracked windows ] in runtime/memory.py: closed at
     the next forward, the step's end or detach); close it so no test starts with a reader on
-    its thread's dispatch-mode stack."""
+    its thread's dispatch-mode stack. Then the test's garbage is collected: a model it dropped
+    (held by reference cycles until the collector's next pass) freed in the middle of a later
+    test's heap readings would be taken from what that test measures."""
     yield
     from ds_hilore.runtime import memory
 
     for tracker in list(memory._OPEN):
         tracker.close()
+    gc.collect()

@@ -4,6 +4,7 @@ plan/metering.py): with an absolute budget, what the plan keeps stays within wha
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -28,7 +29,10 @@ def _microbatch(model, seed: int) -> None:
 def _profiled_then_stepped(state_share: float, caplog):
     """Step 0 discovers and profiles (two microbatches, all R), then the budget is set to GC's profiled peak
     plus ``state_share`` x the AdamW state its first step creates, and the plan is made for it;
-    then the optimizer steps, ``end_step`` closes the step and the next one begins."""
+    then the optimizer steps, ``end_step`` closes the step and the next one begins. Garbage of
+    earlier tests (a detached model waiting for the collector) is collected first: freed between
+    the two readings, it would be taken from what the step made."""
+    gc.collect()
     torch.manual_seed(0)
     model = tiny_model("qwen2", layers=2, hidden=128, heads=4, intermediate=512, dropout=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # state allocated at step()
