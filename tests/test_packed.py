@@ -318,3 +318,121 @@ def test_a_zero_advantage_segment_handed_as_coefficients_is_elided_exactly():
     runtime.end_step()
     assert _unequal(_grads(reference), _grads(model)) == []
     assert runtime.stats["recomputed_units"] == 2  # the R units; elision held
+
+
+# ---------------------------------------------------------------------------- masks and calls
+def _prefix_lm(model, zero=(2,)):
+    """GRPO loss of the packed row under a prefix-LM mask (causal, and the first 20 tokens see
+    each other: earlier queries read later keys, segment 2's first two tokens among them)."""
+    allowed = torch.ones(T, T).tril().bool()
+    allowed[:20, :20] = True
+    torch.manual_seed(3)
+    logits = model(input_ids=IDS, position_ids=POSITION_IDS, attention_mask=allowed[None, None],
+                   use_cache=False).logits.float()
+    logp = _logp(logits)
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    for k in zero:
+        mask[:, SEGMENTS[k][0]:SEGMENTS[k][1]] = False
+    return grpo.policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, model=model).loss
+
+
+@pytest.mark.parametrize("layers", [None, "model.layers.1"])
+def test_a_zero_tail_read_by_earlier_queries_is_not_elided(layers):
+    """The zero tail's rule rests on causality; a mask letting earlier queries read later keys
+    denies it, so nothing is elided (with HiLoRe on the last layer only, no check below it
+    would have seen the gradient those keys get inside the layer)."""
+    reference = tiny_model("llama", layers=2)
+    _prefix_lm(reference).backward()
+    model = tiny_model("llama", layers=2)
+    runtime = ds_hilore.attach(model, dict(EXACT, force_plan="H", layer_pattern=layers))
+    loss = _prefix_lm(model)
+    assert runtime._mb.zero_rows == []
+    loss.backward()
+    runtime.end_step()
+    assert _unequal(_grads(reference), _grads(model)) == []
+
+
+def test_downgrade_to_e_refuses_a_segment_later_ones_read_and_checks_a_tail():
+    """``runtime.downgrade(unit, "E", rows)`` on a causal packed row: a middle segment is
+    refused with the reason, a zero tail is elided and checked like the runtime's own."""
+    reference = tiny_model("llama", layers=2)
+    _grpo(reference, causal=True, zero=[1, 2])[0].backward()
+    model = tiny_model("llama", layers=2)
+    runtime = ds_hilore.attach(model, dict(EXACT, force_plan="H"))
+    runtime.config.elide_zero_rows = False  # the caller decides alone
+    loss, _ = _grpo(model, causal=True, zero=[1, 2])
+    with pytest.raises(ds_hilore.HiLoReError, match=r"rows=\[1\]\): sequences packed into one row"):
+        runtime.downgrade("model.layers.0.attn", "E", rows=[1])
+    for unit in runtime.units:
+        runtime.downgrade(unit.name, "E", rows=[2])
+    assert all(st.row_states() == ["H", "H", "E"] for st in _sliced(runtime))
+    loss.backward()
+    runtime.end_step()
+    assert _unequal(_grads(reference), _grads(model)) == []
+
+
+def test_per_sequence_coefficients_of_a_packed_row_name_the_layout_it_needs():
+    """A loss computed per sequence, (K, L) log-probs cut out of the row, hands K rows of
+    coefficients for a forward of one row: the error says how to hand them, and the automatic
+    source (from the gradient) trains it, exactly."""
+    def step(model):
+        logits = _forward(model, causal=False)
+        row = logits[0, :-1].log_softmax(-1).gather(-1, IDS[0, 1:, None])[..., 0]  # (T - 1,)
+        logp = torch.stack([row[s:s + 5] for s, _ in SEGMENTS])  # (K, 5)
+        return grpo.policy_loss(logp, logp.detach(), torch.tensor([1.0, 0.0, -1.0]),
+                                torch.ones_like(logp, dtype=torch.bool), model=model).loss
+
+    model = tiny_model("llama", layers=2)
+    runtime = ds_hilore.attach(model, dict(EXACT, force_plan="H"))
+    with pytest.raises(ds_hilore.HiLoReError, match=r"3 rows of coefficients for a forward of one "
+                       r"packed row \(3 sequences, 24 tokens\).*exposure_source"):
+        step(model)
+    runtime.detach()
+    reference = tiny_model("llama", layers=2)
+    step(reference).backward()
+    model = tiny_model("llama", layers=2)
+    runtime = ds_hilore.attach(model, dict(EXACT, force_plan="H", exposure_source="hidden_grad"))
+    step(model).backward()
+    runtime.end_step()
+    assert _unequal(_grads(reference), _grads(model)) == []
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_rows_elided_at_capture_without_coefficients_are_recomputed(packed):
+    """``exposure_source`` "analytic" and a loss that hands none: nothing proves what the plan
+    elided at capture, so those units are recomputed (exact)."""
+    weights = torch.tensor([1.0, 0.3, -0.5])
+
+    def step(model):
+        if packed:
+            logp = _logp(_forward(model, causal=False))  # (1, T - 1)
+            return (logp * weights.repeat_interleave(torch.tensor([8, 10, 5]))[None]).mean()
+        ids = IDS.view(3, 8)
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        return (logp * weights[:, None]).mean()
+
+    reference = tiny_model("llama", layers=2, dropout=False)
+    step(reference).backward()
+    model = tiny_model("llama", layers=2, dropout=False)
+    runtime = ds_hilore.attach(model, dict(EXACT, exposure_source="analytic"))
+    runtime.set_plan("H", rows={u.name: ("H", "E", "H") for u in runtime.units})
+    step(model).backward()
+    runtime.end_step()
+    assert _unequal(_grads(reference), _grads(model)) == []
+    assert runtime.stats["recomputed_units"] == 4
+
+
+def test_one_short_segment_does_not_keep_a_packed_row_whole():
+    """``min_pack_numel`` is per sequence slice: a one-token segment (a pad) among long ones
+    does not make the row's storages unpackable."""
+    lengths = [12, 11, 1]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    model = tiny_model("llama", layers=2)
+    runtime = ds_hilore.attach(model, {"low_precision": "int8", "codec_backend": "eager",
+                                       "force_plan": "L", "min_pack_numel": 200})
+    logits = model(input_ids=IDS, position_ids=position_ids, use_cache=False).logits
+    assert any("L" in st.row_states() for st in _sliced(runtime))
+    assert runtime.stats["bytes"]["L"] > 0
+    logits.float().sum().backward()
+    runtime.end_step()

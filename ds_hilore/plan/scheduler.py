@@ -43,7 +43,6 @@ from ds_hilore.plan.profile import BucketProfile, Profiler
 from ds_hilore.plan.risk import RiskModel, StepExposure
 from ds_hilore.plan.slices import count_slices, unit_risks
 from ds_hilore.plan.validate import LeaveOneOut
-from ds_hilore.runtime.elision import unverified_rows_to_r
 
 logger = logging.getLogger("ds_hilore")
 
@@ -161,8 +160,6 @@ class Scheduler:
     def top_grad(self, mb, grad: torch.Tensor) -> None:
         if self.passes.running:
             return
-        if mb.source is None:  # no coefficients came: nothing proves the planned elisions
-            unverified_rows_to_r(self.runtime, mb.live_frames(), lambda frame: set())
         if any(frame.elided_rows for frame in mb.live_frames()):  # sequences found zero keep nothing
             self.metering.partial()
         with self.metering.held():  # NOTE [ Tracked on CPU ]: kept for a matched pass only

@@ -121,6 +121,7 @@ class LayerFrame:
         # this call's one row, and whether its attention mask proves they never see each other
         self.segments: list[tuple[int, int]] | None = None
         self.segments_independent = False
+        self.segments_causal = True  # no query reads a later key (the mask did not deny it)
         self.elided_rows: set[int] = set()  # sequences with zero loss coefficients
         self.rows_dropped: set[int] = set()  # of those, the ones whose kept bytes were dropped
         self.elision_ok = True  # gradient enters only through the output (runtime decides)
@@ -133,11 +134,12 @@ class LayerFrame:
         """Sequences of the call: rows, or the segments of a packed row."""
         return len(self.segments) if self.segments is not None else self.batch
 
-    def set_segments(self, segments, independent: bool) -> None:
+    def set_segments(self, segments, independent: bool, causal: bool = True) -> None:
         """Sequences packed into the one row of this call (token ranges), before ``run``."""
         if self.batch != 1 or not self.sliceable or not segments or segments[-1][1] != self.seq_len:
             return
         self.segments, self.segments_independent = list(segments), bool(independent)
+        self.segments_causal = bool(causal)
 
     def _check_rows(self) -> None:
         n = self.sequences
@@ -287,15 +289,16 @@ class LayerFrame:
             block = segment_spans(t, self.segments, self.seq_len) if self.sliceable else None
             tok = block[-1][1] // self.seq_len if block else None  # elements per token
             group = t.shape[-1] if block and t.shape[-1] and tok % t.shape[-1] == 0 else tok
-            smallest = min((b - a for a, b in block), default=0) if block else None
+            # the mean slice: one short segment (a pad token) does not keep the whole row whole
+            per_sequence = sum(b - a for a, b in block) // len(block) if block else None
         else:
             block = row_block(t, self.batch, self.seq_len) if self.sliceable else None
             group = t.shape[-1] if t.dim() and t.shape[-1] and block and block % t.shape[-1] == 0 else block
-            smallest = block
+            per_sequence = block
             tok = block // self.seq_len if block and self.seq_len else None  # elements per token
         packable = (block is not None and t.dtype in FLOAT_DTYPES
                     and t.untyped_storage().data_ptr() not in self.boundary
-                    and smallest >= self.ctx.min_pack_numel and self.ctx.codec is not None
+                    and per_sequence >= self.ctx.min_pack_numel and self.ctx.codec is not None
                     and group >= MIN_PACK_GROUP and (tok or 0) >= self.min_pack_width)
         return Stored(t, self.sequences, block, group or 1, self.ctx.codec, packable, counters,
                       (weakref.ref(self), pos))

@@ -187,11 +187,11 @@ class HiLoReRuntime(Installation, Plans):
         mb = self._microbatch_of(logp)
         if mb is None:
             return
+        if self.config.exposure_source == "hidden_grad":
+            return  # the user asked for the automatic source only
         frames = mb.live_frames()
         _check_coefficients(coefficients, frames[0], offset)
         mb.coefficients = coefficients.detach()
-        if self.config.exposure_source == "hidden_grad":
-            return  # the user asked for the automatic source only
         self._elision.apply(mb, mb.coefficients, offset, source="analytic")
 
     def _microbatch_of(self, logp: torch.Tensor | None) -> "Microbatch | None":
@@ -430,6 +430,12 @@ def _replaced(out, old: torch.Tensor, new: torch.Tensor):
 
 
 def _check_coefficients(coefficients: torch.Tensor, frame: LayerFrame, offset: int | None) -> None:
+    if coefficients.shape[0] != frame.batch and frame.segments is not None:
+        raise HiLoReError(f"{coefficients.shape[0]} rows of coefficients for a forward of one "
+                          f"packed row ({len(frame.segments)} sequences, {frame.seq_len} tokens): "
+                          "hand them as that row, (1, T'), each sequence's at its tokens (e.g. "
+                          "compute the loss on the packed row's log-probs), or set "
+                          "hilore.exposure_source to 'hidden_grad' to read them from the gradient.")
     if coefficients.shape[0] != frame.batch:
         raise HiLoReError(f"{coefficients.shape[0]} sequences of coefficients, but the microbatch's "
                           f"forward had {frame.batch}; pass those of the same microbatch (one row "

@@ -96,7 +96,9 @@ class Elision:
             zero = []  # nothing elided here: exposure alone is used
         if segments is not None and len(zero) < every and \
                 not all(f.segments_independent for f in frames):
-            zero = _trailing(zero, every)  # segments see earlier ones: only a zero tail
+            # segments see earlier ones: only a zero tail, and none where a mask lets a query
+            # read a later key (NOTE [ Packed sequences ] in packed.py)
+            zero = _trailing(zero, every) if all(f.segments_causal for f in frames) else []
         all_zero = len(zero) == every and all(f.elision_ok for f in frames)
         policy = self.runtime.policy  # NOTE [ Exact zeros ]: copies only where memory is short
         keep = 0 < len(zero) < every and policy is not None and policy.keeps_whole(mb)
@@ -182,6 +184,8 @@ class Elision:
         zero_backward.py)."""
         if last:
             self._on_hidden_grad(mb, grad)
+            if mb.source is None:  # no coefficients came: nothing proves the capture's elisions
+                unverified_rows_to_r(self.runtime, mb.live_frames(), lambda frame: set())
             self._check_at_top(mb, grad)
             mb.skip_layers_backward = self._skips_layers(mb)
             if not mb.skip_layers_backward:

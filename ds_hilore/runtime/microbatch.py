@@ -48,7 +48,7 @@ class Microbatch:
         # several sequences per row (NOTE [ Packed sequences ] in packed.py)
         self.packed: bool | None = None
         self.segments: list[tuple[int, int]] | None = None  # token ranges of the packed row
-        self.mask_independence: dict = {}  # attention mask -> it keeps the segments apart
+        self.mask_independence: dict = {}  # attention mask -> (segments kept apart, causal)
         self.profile = None  # a profiler measuring this microbatch's units (ds_hilore.plan)
         self.plan_key = None  # what the policy planned this microbatch with
         self.timing = None  # the policy's timing of this microbatch (leave-one-out), if any

@@ -18,6 +18,9 @@ attention_mask is passed; checked here on the device, with the segments), or (b)
 and every segment after it have zero coefficients: in a causal model nothing reads
 the last tokens. Otherwise (a plain causal mask, or no mask tensor: SDPA's is_causal,
 flash-attention's varlen) a zero segment followed by a non-zero one stays kept: exact.
+(b) rests on causality, which a mask tensor can deny (a prefix-LM block lets earlier
+queries read later keys): a mask tensor is checked for that too, and where one lets a
+query read a later key, only a row whose every segment is zero elides anything.
 The check at the last layer's output still decides between E and R as for rows
 (NOTE [ Checked elision ] in elision.py); a layer mixing tokens outside its attention
 (a convolution) would send gradient to an elided segment through the layer below's
@@ -44,19 +47,19 @@ def packed_sequences(mb, frame, function) -> bool:
     if mb.packed is None:  # the first layer: find the segments (one read)
         starts = position_ids[0] == 0
         starts[0] = True
-        mixing = _segments_mix(mask, starts)
-        values = torch.cat([starts, mixing.view(1)]).tolist()  # the one read
-        bounds = [t for t, v in enumerate(values[:-1]) if v]
+        values = torch.cat([starts, _segments_mix(mask, starts)]).tolist()  # the one read
+        bounds = [t for t, v in enumerate(values[:-2]) if v]
         if len(bounds) < 2:
             return False
         mb.segments = list(zip(bounds, bounds[1:] + [frame.seq_len]))
-        mb.mask_independence = {_mask_key(mask): not values[-1]}
+        mb.mask_independence = {_mask_key(mask): (not values[-2], not values[-1])}
     key = _mask_key(mask)
     if key not in mb.mask_independence:  # another mask (e.g. a sliding-window layer)
         starts = torch.zeros(frame.seq_len, dtype=torch.bool, device=position_ids.device)
         starts[[s for s, _ in mb.segments]] = True
-        mb.mask_independence[key] = not bool(_segments_mix(mask, starts))
-    frame.set_segments(mb.segments, mb.mask_independence[key])
+        mixing, later = _segments_mix(mask, starts).tolist()
+        mb.mask_independence[key] = (not mixing, not later)
+    frame.set_segments(mb.segments, *mb.mask_independence[key])
     return True
 
 
@@ -67,21 +70,25 @@ def _mask_key(mask) -> tuple | None:
 
 
 def _segments_mix(mask, starts: torch.Tensor) -> torch.Tensor:
-    """() bool on the device: whether the attention mask lets a query see a key of another
-    segment (``starts``: (T,) True at each segment's first token). True (mixing assumed) for
-    anything but a (1, heads or 1, T, T) boolean mask (True: attend) or additive float mask
-    (its dtype's minimum or -inf: masked)."""
+    """(2,) bool on the device: whether the attention mask lets a query see a key of another
+    segment, and whether it lets a query see a later key (not causal); ``starts``: (T,) True
+    at each segment's first token. (True, False) -- mixing assumed, causal as a decoder's
+    attention without a mask tensor is -- for anything but a (1, heads or 1, T, T) boolean
+    mask (True: attend) or additive float mask (its dtype's minimum or -inf: masked)."""
     seq_len = starts.shape[0]
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[0] != 1 \
             or tuple(mask.shape[-2:]) != (seq_len, seq_len) \
             or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
-        return torch.ones((), dtype=torch.bool, device=starts.device)
-    segment = starts.long().cumsum(0)  # (T,) segment number of every token
+        return torch.tensor([True, False], device=starts.device)
+    segment = starts.long().cumsum(0).to(mask.device)  # (T,) segment number of every token
+    keys = torch.arange(seq_len, device=mask.device)  # (T,)
     mixing = torch.zeros((), dtype=torch.bool, device=mask.device)
+    later = torch.zeros((), dtype=torch.bool, device=mask.device)
     chunk = max(1, (1 << 24) // seq_len)  # query rows at a time: bounded temporary memory
     for q0 in range(0, seq_len, chunk):
         block = mask[0, :, q0:q0 + chunk]  # (heads, q, T)
         allowed = block if block.dtype == torch.bool else block > torch.finfo(block.dtype).min
-        cross = segment[q0:q0 + chunk, None].to(mask.device) != segment[None].to(mask.device)
-        mixing = mixing | (allowed.any(0) & cross).any()
-    return mixing.to(starts.device)
+        seen = allowed.any(0)  # (q, T)
+        mixing = mixing | (seen & (segment[q0:q0 + chunk, None] != segment[None])).any()
+        later = later | (seen & (keys[q0:q0 + chunk, None] < keys[None])).any()
+    return torch.stack([mixing, later]).to(starts.device)

@@ -84,8 +84,10 @@ class Plans:
         """Lower the fidelity of a unit captured in the current microbatch (or in ``mb``, one
         of those alive: a forward whose loss comes after a later forward's); frees bytes at once.
 
-        H -> L, H -> R, L -> R, and H/L -> E for sequences whose loss coefficients are zero.
-        ``rows`` (sequence indices) apply to L and E; R is per unit.
+        H -> L, H -> R, L -> R, and H/L -> E for sequences whose loss coefficients are zero
+        (checked as the runtime's own elisions are: ``_elidable``). ``rows`` (sequence indices)
+        apply to L and E; R is per unit. Under several ranks, call it on every rank alike:
+        what it sends to R, or asks the backward to check, is the rank's own.
         """
         unit = self._unit(name)
         mb = self._mb if mb is None else mb
@@ -104,8 +106,36 @@ class Plans:
         if action == "L" and self._codec is None:
             raise HiLoReError(f"downgrade({name!r}, 'L'): low_precision is 'none'; set it to 'int8' "
                               "or 'fp8_e4m3' in the \"hilore\" block.")
+        if action == "E":
+            rows = self._elidable(name, frame, rows)
         frame.downgrade(pos, action, rows)
         self._summarise(mb)
+
+    @staticmethod
+    def _elidable(name: str, frame, rows) -> list[int]:
+        """The sequences ``downgrade(name, "E", rows)`` elides, recorded where the elision
+        checks read them (NOTE [ Checked elision ] in elision.py): gradient reaching one at the
+        top of the backward sends the frame to R, and coefficients handed later that are not
+        zero there recompute it. Refused where no check could see the gradient: a call whose
+        other outputs take gradient, or a packed row whose later sequences read these inside
+        the layer (NOTE [ Packed sequences ] in packed.py)."""
+        rows = sorted(set(range(frame.sequences) if rows is None else rows))
+        if not frame.elision_ok:
+            raise HiLoReError(f"downgrade({name!r}, 'E'): this layer call returns more than one "
+                              "tensor that takes gradient (or transformers records its internal "
+                              "outputs), so gradient can reach its sequences where no check sees "
+                              "it; use 'R' instead.")
+        every = frame.sequences
+        if frame.segments is not None and not frame.segments_independent and \
+                not (frame.segments_causal and rows == list(range(every - len(rows), every))):
+            raise HiLoReError(f"downgrade({name!r}, 'E', rows={rows}): sequences packed into one "
+                              f"row of {every} whose attention lets the others read them; only the "
+                              "last ones of a causal row (or a mask that keeps each sequence to "
+                              "itself) can be elided; use 'R' instead.")
+        frame.elided_rows |= set(rows)
+        frame.rows_dropped |= set(rows)
+        frame.elision_checked = True
+        return rows
 
     def _renumber(self) -> None:
         """Number the units found so far; check force_plan once every layer has its units."""
