@@ -381,6 +381,20 @@ def test_engine_block_by_position_and_class(monkeypatch):
                                  0, "Actor")[0] == {"memory_budget": 1.5}  # the position wins
 
 
+def test_an_engine_blocks_budget_replaces_the_budget_it_overrides(monkeypatch):
+    """A budget of another kind in an engine's block replaces the shared one (the more
+    specific wins), and the class and position blocks applying to one engine are checked
+    together, named."""
+    monkeypatch.setenv("DS_HILORE_CONFIG", "{}")
+    block = {"memory_budget": 1.3, "engines": {"Qwen2ForCausalLM": {"memory_budget_bytes": 10**9},
+                                               "1": {"memory_fraction": 0.5}}}
+    assert autoload.engine_block(block, 0, "Qwen2ForCausalLM")[0] == {"memory_budget_bytes": 10**9}
+    assert autoload.engine_block(block, 1, "Qwen2ForCausalLM")[0] == {"memory_fraction": 0.5}
+    assert autoload.engine_block(block, 1, "RewardModel")[0] == {"memory_fraction": 0.5}
+    with pytest.raises(HiLoReConfigError, match=r"""DS_HILORE_CONFIG "engines"\['1'\]: .*force_plan"""):
+        autoload.engine_block({"engines": {"1": {"force_plan": "Q"}}}, 0, "OPTForCausalLM")
+
+
 @pytest.mark.parametrize("engines,pattern", [
     ([1, 2], "must map an engine"),
     ({"1": "R"}, "must map an engine"),

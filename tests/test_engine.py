@@ -332,6 +332,85 @@ def test_checkpoint_of_plain_deepspeed_loads(tmp_path, caplog):
     assert "has no HiLoRe state" in caplog.text
 
 
+def test_checkpoint_keeps_a_plan_chosen_by_hand(tmp_path):
+    """A plan the script chose (set_plan: the allocator stopped deciding) is not replaced by
+    the saver's plan."""
+    saver = make(ds_config())
+    run(saver, steps=1)
+    _marked_state(saver)  # the saver's plan keeps layer 0 whole
+    saver.save_checkpoint(str(tmp_path), tag="t")
+    loader = make(ds_config())
+    loader.hilore.set_plan("R")
+    loader.load_checkpoint(str(tmp_path), tag="t")
+    assert set(loader.hilore.plan_actions()) == {"R"}
+
+
+def test_checkpoint_of_other_recovery_units_is_dropped(tmp_path, caplog):
+    saver = make(ds_config())
+    run(saver, steps=1)
+    saved = _marked_state(saver)
+    saver.save_checkpoint(str(tmp_path), tag="t")
+    loader = make(ds_config(layer_pattern="model.layers.0"))
+    fresh = loader.hilore.state_dict()
+    with caplog.at_level(logging.WARNING, logger="ds_hilore.integrations.engine"):
+        loader.load_checkpoint(str(tmp_path), tag="t")
+    assert loader.hilore.state_dict() == fresh != saved
+    assert "was learned for 4 recovery units" in caplog.text and "this run has 2" in caplog.text
+
+
+def test_one_runtime_per_model_and_a_destroyed_engine_lets_another_attach():
+    from ds_hilore import attach, find_runtime
+
+    lm = worker.build_model("full", gc=False)
+    params = [p for p in lm.parameters() if p.requires_grad]
+    engine, *_ = engine_mod.initialize(model=lm, model_parameters=params, config=ds_config())
+    with pytest.raises(HiLoReError, match="already attached to this model.*engine.destroy"):
+        engine_mod.initialize(model=lm, model_parameters=params, config=ds_config())
+    with pytest.raises(HiLoReError, match="already attached"):
+        attach(lm)
+    assert find_runtime(lm) is engine.hilore
+    engine.destroy()
+    assert find_runtime(lm) is None
+    again, *_ = engine_mod.initialize(model=lm, model_parameters=params, config=ds_config())
+    assert find_runtime(lm) is again.hilore
+    again.destroy()
+
+
+def test_a_failed_initialize_leaves_the_model_as_it_was():
+    from ds_hilore import find_runtime
+    from ds_hilore._errors import HiLoReNameError
+
+    lm = worker.build_model("full", gc=False)
+    before = {name: dict(m.__dict__) for name, m in lm.named_modules()}
+    with pytest.raises(HiLoReNameError, match="force_plan patterns"):
+        engine_mod.initialize(model=lm, model_parameters=list(lm.parameters()),
+                              config=ds_config(force_plan={"model.layers.9.*": "H"}))
+    assert find_runtime(lm) is None
+    for name, module in lm.named_modules():  # no wrapper, flag or hook left behind
+        assert module.__dict__.keys() == before[name].keys(), name
+        hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+        assert not [h for h in hooks if getattr(h, "__module__", "").startswith("ds_hilore")], name
+
+
+def test_coefficients_of_a_loss_given_the_engine_reach_its_runtime():
+    from ds_hilore.grpo import policy_loss
+
+    engine = make(ds_config(force_plan="H", elide_zero_rows=True))
+    ids = torch.randint(3, worker.VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    logits = engine(input_ids=ids).logits[:, :-1].float()
+    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    policy_loss(logp, logp.detach(), torch.tensor([1.0, 0.0, -1.0, 0.5]),
+                torch.ones_like(logp, dtype=torch.bool), model=engine)
+    assert engine.hilore._mb.zero_rows == [1]
+    engine.destroy()
+
+
+def test_deepspeeds_default_pipeline_block_is_accepted():
+    engine = make({**ds_config(), "pipeline": {"stages": "auto", "partition": "best"}})
+    assert engine.hilore.attached
+    engine.destroy()
+
+
 def test_checkpoint_key_collision_is_an_error(tmp_path):
     engine = make(ds_config())
     with pytest.raises(HiLoReError, match="rename your key"):

@@ -110,7 +110,8 @@ def initialize(replacement: TrainingInitialize, args: tuple, kwargs: dict) -> An
 # the model passed to deepspeed.initialize (DS-Chat's critic: "RewardModel"; OpenRLHF's:
 # "CriticModel"; a LoRA model: "PeftModelForCausalLM"). An engine gets the keys outside
 # "engines", updated with the block of its class name, then with the block of its position
-# (the more specific wins); an engine no key names gets the keys outside "engines" alone.
+# (the more specific wins: a budget of any kind replaces the budget it overrides); an engine no
+# key names gets the keys outside "engines" alone.
 # Positions count training engines only (reference, reward and EMA engines stay plain and
 # are not counted) and are the order of the script's calls, which DS-Chat (actor, then critic)
 # and OpenRLHF (actor, then critic, on each worker) keep fixed. Every block is checked when
@@ -132,16 +133,35 @@ def engine_block(block: dict, position: int, model_class: str) -> tuple[dict, st
             'training engines, "0", "1", ..., or its model\'s class name) to a "hilore" block. '
             'Fix: e.g. "engines": {"1": {"force_plan": "R"}}.')
     for key, own in engines.items():  # at start: every block the run can use is valid
-        HiLoReConfig.coerce({**base, **own})
+        try:
+            HiLoReConfig.coerce(_over(base, own))
+        except HiLoReConfigError as error:
+            raise HiLoReConfigError(f'{ENV_CONFIG} "engines"[{key!r}]: {error}') from error
     source = ENV_CONFIG if os.environ.get(ENV_CONFIG, "").strip() else \
         f"the defaults ({ENV_CONFIG} unset)"
     chosen, keys = dict(base), []
     for key in (model_class, str(position)):
         if key in engines:
-            chosen.update(engines[key])
+            chosen = _over(chosen, engines[key])
             keys.append(key)
     where = source + "".join(f" engines[{key!r}]" for key in keys)
+    if len(keys) == 2:  # both blocks apply to this engine: checked together too
+        try:
+            HiLoReConfig.coerce(chosen)
+        except HiLoReConfigError as error:
+            raise HiLoReConfigError(f"{where}: {error}") from error
     return chosen, where
+
+
+_BUDGETS = ("memory_budget", "memory_budget_bytes", "memory_fraction")  # one of them at a time
+
+
+def _over(block: dict, own: dict) -> dict:
+    """``block`` updated with ``own``; a budget in ``own`` replaces the block's, whatever its
+    kind (the more specific block wins, NOTE [ Settings per engine ])."""
+    if any(k in own for k in _BUDGETS):
+        block = {k: v for k, v in block.items() if k not in _BUDGETS}
+    return {**block, **own}
 
 
 def fallback_block(environ=os.environ) -> dict:

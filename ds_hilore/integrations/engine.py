@@ -150,7 +150,8 @@ def _resolve_ds_config(args: Any, config: Any, config_params: Any) -> dict:
 def _check_supported(model: Optional[torch.nn.Module], ds_config: Mapping) -> None:
     pipeline = ds_config.get("pipeline") or {}
     stages = pipeline.get("stages", 1) if isinstance(pipeline, Mapping) else pipeline
-    if isinstance(model, PipelineModule) or stages not in (1, None):
+    # "auto", DeepSpeed's default, pipelines only a PipelineModule: a plain module trains as is
+    if isinstance(model, PipelineModule) or stages not in (1, None, "auto"):
         what = "the model is a PipelineModule" if isinstance(model, PipelineModule) else \
             f'the ds_config has a "pipeline" block {pipeline}'
         raise HiLoReError(
@@ -175,18 +176,23 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
     )
 
     runtime = attach(engine.module, hilore_config)
-    if follow_script:
-        runtime.follow_script_checkpointing()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        runtime.collective = TorchDistCollective()
-    # NOTE [ A backward of zeros ] in runtime/zero_backward.py: ZeRO 1-3 reduce gradients in hooks
-    runtime.zero_backward_skip = engine.zero_optimization_stage() == 0
-    if runtime.policy is not None:  # NOTE [ Matched passes under ZeRO-3 ] in plan/zero3_passes.py
-        runtime.policy.passes.zero3_offload = getattr(engine.optimizer, "parameter_offload", None)
-    engine.hilore = runtime
-    engine.__class__ = _hilore_engine_class(type(engine))
-    _check_budget(runtime, hilore_config)
-    runtime.sync_plan()
+    try:  # an engine that cannot take HiLoRe leaves its model as it found it
+        if follow_script:
+            runtime.follow_script_checkpointing()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            runtime.collective = TorchDistCollective()
+        # NOTE [ A backward of zeros ] in runtime/zero_backward.py: ZeRO 1-3 reduce gradients in
+        # hooks
+        runtime.zero_backward_skip = engine.zero_optimization_stage() == 0
+        if runtime.policy is not None:  # NOTE [ Matched passes under ZeRO-3 ] (zero3_passes.py)
+            runtime.policy.passes.zero3_offload = getattr(engine.optimizer, "parameter_offload", None)
+        engine.hilore = runtime
+        engine.__class__ = _hilore_engine_class(type(engine))
+        _check_budget(runtime, hilore_config)
+        runtime.sync_plan()
+    except BaseException:
+        runtime.detach()
+        raise
 
 
 _ENGINE_CLASSES: dict[type, type] = {}
@@ -245,6 +251,11 @@ class HiLoReEngineMixin:
                         and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
             if released:  # the same list on every rank: DeepSpeed's trace and the plan agree
                 released[0].all_gather(param_list=released)
+
+    def destroy(self, *args: Any, **kwargs: Any) -> Any:
+        """The engine's model is left as it was before HiLoRe: a new engine may attach again."""
+        self.hilore.detach()
+        return super().destroy(*args, **kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         if self.is_gradient_accumulation_boundary():  # the same on every rank
@@ -375,7 +386,12 @@ def setup_key() -> dict[str, Any]:
 
 def _restore_runtime_state(runtime: Any, saved: Optional[Mapping], load_path: str) -> None:
     current = setup_key()
-    mismatch = saved is not None and saved["setup"] != current
+    # learned for these recovery units: another model, layer_pattern or children override
+    # would plan units it never profiled, or name units this run does not have
+    saved_units = sorted((saved or {}).get("runtime", {}).get("plan", {}))
+    units = sorted(u.name for u in runtime.units)
+    other_units = saved is not None and saved_units != units
+    mismatch = saved is not None and (saved["setup"] != current or other_units)
     if saved is not None and runtime.collective is not None:
         # kept or dropped on every rank alike: restoring broadcasts plans (a collective), and
         # ranks of different devices (setup_key's device_name) would otherwise differ
@@ -383,6 +399,11 @@ def _restore_runtime_state(runtime: Any, saved: Optional[Mapping], load_path: st
     if saved is None:
         logger.info("checkpoint %s has no HiLoRe state (saved without ds_hilore): HiLoRe "
                     "profiles and calibrates from scratch.", load_path)
+    elif other_units:
+        logger.warning("HiLoRe state in checkpoint %s was learned for %d recovery units (%s ..), "
+                       "this run has %d (%s ..): another model, layer_pattern or children "
+                       "override; dropped; HiLoRe profiles and calibrates again.", load_path,
+                       len(saved_units), saved_units[:1], len(units), units[:1])
     elif mismatch:
         logger.warning("HiLoRe state in checkpoint %s was learned on %s, this run is %s (on this "
                        "rank or another): dropped; HiLoRe profiles and calibrates again.",

@@ -110,10 +110,15 @@ class HiLoReRuntime(Installation, Plans):
         self._last_active = self._layers[-1].index  # the last layer that is HiLoRe's
         self._renumber()
         self.script_checkpointing = checkpointing_on(self._layers)
+        _refuse_a_second_runtime(model)
         self._install()
-        self._probe()
-        if config.activate == "with_checkpointing":
-            self.follow_script_checkpointing()
+        try:  # a failed attach leaves the model as it found it
+            self._probe()
+            if config.activate == "with_checkpointing":
+                self.follow_script_checkpointing()
+        except BaseException:
+            self.detach()
+            raise
 
     # ------------------------------------------------------------------ public API
     @property
@@ -296,8 +301,11 @@ class HiLoReRuntime(Installation, Plans):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != 1:
             raise HiLoReError(f"unknown ds_hilore state version {state.get('version')!r}")
-        known = {u.name for u in self._units}
-        self._plan.update({k: v for k, v in state.get("plan", {}).items() if k in known})
+        if self.policy is not None:  # a plan chosen by hand (set_plan, force_plan, the budget
+            # below GC's fallback) holds; under the allocator, the saved one until it plans
+            known = {u.name for u in self._units}
+            self._plan.update({k: v for k, v in state.get("plan", {}).items() if k in known
+                               and v in ACTIONS and (v != "L" or self._codec is not None)})
         self._n_microbatches = int(state.get("microbatches_seen", 0))
         if self.policy is not None and state.get("policy"):
             self.policy.load_state_dict(state["policy"])
@@ -427,6 +435,18 @@ def _replaced(out, old: torch.Tensor, new: torch.Tensor):
     if out is old:
         return new
     return type(out)(new if x is old else x for x in out)
+
+
+def _refuse_a_second_runtime(model: nn.Module) -> None:
+    """One runtime per model: a second one on the same layers would capture each call twice,
+    and the losses' coefficients would go to whichever the registry met first."""
+    for other in [rt for rt in list(_ATTACHED) if rt.attached]:
+        if other.model is model or any(m is model for m in other.model.modules()) or \
+                any(m is other.model for m in model.modules()):
+            raise HiLoReError(
+                f"a HiLoRe runtime is already attached to this model ({type(other.model).__name__}); "
+                "detach it first (ds_hilore.find_runtime(model).detach(), or engine.destroy() for "
+                "an engine of ds_hilore.initialize), or reuse it.")
 
 
 def _check_coefficients(coefficients: torch.Tensor, frame: LayerFrame, offset: int | None) -> None:

@@ -20,11 +20,17 @@ _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-pro
 
 
 def find_runtime(model: nn.Module | None = None):
-    """The runtime attached to ``model`` (or to a module containing it), else the only one."""
+    """The runtime attached to ``model``, to a module containing it, or to the one module inside
+    it that has one (a DeepSpeed engine, a wrapper: its ``module``); without ``model``, the only
+    one attached."""
     live = [rt for rt in list(ATTACHED) if rt.attached]
     if model is not None:  # the runtime of ``model`` itself first: no walk over other models
-        return (next((rt for rt in live if rt.model is model), None)
-                or next((rt for rt in live if any(m is model for m in rt.model.modules())), None))
+        found = (next((rt for rt in live if rt.model is model), None)
+                 or next((rt for rt in live if any(m is model for m in rt.model.modules())), None))
+        if found is None:
+            inside = [rt for rt in live if any(m is rt.model for m in model.modules())]
+            found = inside[0] if len(inside) == 1 else None
+        return found
     return live[0] if len(live) == 1 else None
 
 
@@ -55,7 +61,7 @@ def _receive_coefficients(coefficients: torch.Tensor, logp: torch.Tensor, model:
     ``model``'s, else the only one attached, else the one whose live forward ``logp`` was
     computed from (an actor and a critic both attached, no ``model=`` given)."""
     runtime = find_runtime(model)
-    if runtime is None and model is None:
+    if runtime is None:  # no model named, or one that names none alone: where logp came from
         runtime = _runtime_of(logp)
     if runtime is not None and runtime.enabled:
         runtime.set_coefficients(coefficients, logp=logp)
