@@ -789,6 +789,27 @@ def test_layer_groups_price_the_fast_forward_of_a_kept_unit_before_a_recomputed_
 
 # ---------------------------------------------------------------------------- resume
 
+def test_a_state_saved_while_leave_one_out_ran_runs_it_again_after_the_resume(run_tight):
+    """Leave-one-out ran to its end before the save: nothing to run again. Saved while it ran
+    (``unvalidated``): the resumed bucket starts it at once, as the run without the resume
+    would have finished it."""
+    _, _, runtime, record = run_tight
+    state = json.loads(json.dumps(runtime.state_dict()))
+    assert state["policy"]["unvalidated"] == []  # nothing to validate (no repeats): done
+    for unvalidated, runs in (([], False), ([TIGHT_NAME], True)):
+        state["policy"]["unvalidated"] = unvalidated
+        model = _model()
+        fresh = ds_hilore.attach(model, dict(BASE, memory_budget=record["memory_budget"],
+                                             plan_validation_microbatches=2))
+        try:
+            fresh.load_state_dict(state)
+            bucket = fresh.policy.buckets[TIGHT_BUCKET]
+            assert "H" in bucket.plan.actions.values() or "L" in bucket.plan.actions.values()
+            assert (bucket.loo is not None) is runs and bucket.validated is not runs
+        finally:
+            fresh.detach()
+
+
 def test_state_dict_resumes_without_profiling(run_tight):
     _, _, runtime, record = run_tight
     state = runtime.state_dict()

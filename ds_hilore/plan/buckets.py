@@ -28,6 +28,7 @@ class Bucket:
     loo: LeaveOneOut | None = None  # NOTE [ Leave-one-out ], while it runs
     excluded: set[int] = dataclasses.field(default_factory=set)  # layers leave-one-out sent to R
     loo_utilities: dict[int, float] | None = None  # seconds per layer, measured jointly
+    validated: bool = False  # leave-one-out ran to its end (here, or before a resume)
     shortest: int | None = None  # positions of the shortest profiled microbatch, over ranks
     byte_scale: dict[str, float] | None = None  # bytes x this per unit kind, for the longest
     # NOTE [ The plan's peak, checked ] and [ Headroom a checked plan left ] in metering.py

@@ -70,7 +70,9 @@ def state_dict(scheduler) -> dict[str, Any]:
             "excluded": {_name(k): sorted(b.excluded) for k, b in profiled.items()},
             "shortest": {_name(k): b.shortest for k, b in profiled.items() if b.shortest},
             # a plan that peaked over the budget stays cut after a resume
-            "headroom_cut": {_name(k): b.headroom_cut for k, b in profiled.items() if b.overshot}}
+            "headroom_cut": {_name(k): b.headroom_cut for k, b in profiled.items() if b.overshot},
+            # leave-one-out still to run (saved while it ran): it runs again after a resume
+            "unvalidated": [_name(k) for k, b in profiled.items() if not b.validated]}
 
 
 def load_state_dict(scheduler, state: dict[str, Any]) -> None:
@@ -88,5 +90,8 @@ def load_state_dict(scheduler, state: dict[str, Any]) -> None:
         cut = state.get("headroom_cut", {}).get(name)
         if cut is not None:
             bucket.headroom_cut, bucket.overshot = int(cut), True
+        bucket.validated = name not in state.get("unvalidated", [])
         scheduler.buckets[profile.key] = bucket
         scheduler._plan_bucket(bucket, profiled=False)
+        if not bucket.validated:
+            scheduler._start_loo(bucket)

@@ -419,13 +419,15 @@ class Scheduler:
         repeats = self.config.plan_validation_microbatches
         if layers and repeats:
             bucket.loo = LeaveOneOut(layers, repeats, tokens=bucket.key[0] * bucket.key[1])
+        else:
+            bucket.validated = True  # nothing to validate
 
     def _finish_loo(self, bucket: Bucket) -> None:
         loo, bucket.loo = bucket.loo, None
         collective = self.runtime.collective
         if collective is not None:  # every rank decides from the same timings
             loo.set_flat(collective.all_reduce_max_float(loo.flat()))
-        bucket.loo_utilities = loo.utilities()
+        bucket.loo_utilities, bucket.validated = loo.utilities(), True
         dropped = loo.dropped()
         if dropped:
             logger.info("ds_hilore: leave-one-out on %dx%d: layers %s save nothing under joint "
