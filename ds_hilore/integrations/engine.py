@@ -185,7 +185,8 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
         # hooks
         runtime.zero_backward_skip = engine.zero_optimization_stage() == 0
         if runtime.policy is not None:  # NOTE [ Matched passes under ZeRO-3 ] (zero3_passes.py)
-            runtime.policy.passes.zero3_offload = getattr(engine.optimizer, "parameter_offload", None)
+            offload = getattr(engine.optimizer, "parameter_offload", None)
+            runtime.policy.passes.zero3_offload = offload
         engine.hilore = runtime
         engine.__class__ = _hilore_engine_class(type(engine))
         _check_budget(runtime, hilore_config)

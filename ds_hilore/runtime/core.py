@@ -444,7 +444,8 @@ def _refuse_a_second_runtime(model: nn.Module) -> None:
         if other.model is model or any(m is model for m in other.model.modules()) or \
                 any(m is other.model for m in model.modules()):
             raise HiLoReError(
-                f"a HiLoRe runtime is already attached to this model ({type(other.model).__name__}); "
+                "a HiLoRe runtime is already attached to this model "
+                f"({type(other.model).__name__}); "
                 "detach it first (ds_hilore.find_runtime(model).detach(), or engine.destroy() for "
                 "an engine of ds_hilore.initialize), or reuse it.")
 

@@ -248,9 +248,10 @@ class Elision:
         """Whether the gradient at the last layer's output is known to be exactly zero on every
         rank (NOTE [ A backward of zeros ] in zero_backward.py): every sequence elided by the
         loss's own ω, on every rank, and the read at the top found none of it reached them (else
-        the frames fell back and no longer skip). Never for a measured microbatch (profile, leave-one-out timing),
-        nor for one whose forward did not gate the last layer's output. Only values the ranks
-        agreed on: a sequence count (rows, or the segments of a packed row) is this rank's."""
+        the frames fell back and no longer skip). Never for a measured microbatch (profile,
+        leave-one-out timing), nor for one whose forward did not gate the last layer's output.
+        Only values the ranks agreed on: a sequence count (rows, or the segments of a packed
+        row) is this rank's."""
         if not (self.runtime.zero_backward_skip and mb.gated) or mb.profile is not None or \
                 mb.timing is not None:
             return False

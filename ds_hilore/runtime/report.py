@@ -55,7 +55,8 @@ def _microbatch_stats(summary: dict) -> dict[str, Any]:
             "nonfinite_slices": c.nonfinite_slices, "_packed_stats": list(c.packed_stats),
             "exposure_source": summary.get("exposure_source"),
             "exact_zero_sequences": summary.get("exact_zero_sequences", 0),
-            # 1 when its layers' backward was skipped (NOTE [ A backward of zeros ] in zero_backward.py)
+            # 1 when its layers' backward was skipped (NOTE [ A backward of zeros ] in
+            # zero_backward.py)
             "backward_skipped": int(summary.get("backward_skipped", False))}
 
 
