@@ -179,11 +179,10 @@ class Clock:
         return self.elapsed() + (batches + 3 + MIN_ROUNDS) * round_s > self.limit_s
 
 
-def _warm_up(live: list[Run], steps, device: str, strict: bool, clock: Clock | None = None,
-             batches: int = 2) -> None:
-    """Each run warmed up, the ``ESSENTIAL`` ones first; with ``clock``, runs the time left
-    cannot hold are dropped (NOTE [ The bench's minutes ])."""
-    clock = clock or Clock(None)
+def _warm_up(live: list[Run], steps, device: str, strict: bool, clock: Clock,
+             batches: int) -> None:
+    """Each run warmed up, the ``ESSENTIAL`` ones first; runs the time left on ``clock`` cannot
+    hold are dropped (NOTE [ The bench's minutes ])."""
     for run in sorted(live, key=lambda r: r.method not in ESSENTIAL):
         essential = run.method in ESSENTIAL
         if not essential and clock.short(batches):
@@ -402,10 +401,7 @@ def _measure(config, save, clock: Clock, state: dict[str, Any]) -> dict[str, Any
                  f"{clock.limit_s / 60:g} minutes left")
     records, stop = _rounds(live, steps, config, clock, provisional,
                             None if save is None else saved)
-    for run in runs:
-        close(run)
-    end_group()
-    out = provisional(records)
+    out = provisional(records)  # the runs are closed by ``run_bench``
     out["config"]["gc_probe_peak_bytes"] = int(gc_probe_peak)  # GC's first reading
     out["stop"] = stop
     out["seconds"] = clock.elapsed()

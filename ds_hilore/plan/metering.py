@@ -113,6 +113,7 @@ class Metering:
         """A CUDA window that stayed under an earlier peak of the process (NOTE [ Shared peak
         counters ] in runtime/memory.py): said once, at WARNING; ``stats["peak_exact"]``
         records each step it happened in."""
+        self.s.step_stats["peak_exact"] = False
         if self.said_under_earlier_peak:
             return
         self.said_under_earlier_peak = True
@@ -284,7 +285,6 @@ class Metering:
         else:  # CUDA: a lower bound when not exact, ``upper`` what it is known not to exceed
             peak, upper = meter.close(), meter.upper
             if not meter.exact:
-                self.s.step_stats["peak_exact"] = False
                 self._under_earlier_peak(f"the check of the plan for {bucket.key[0]}x"
                                          f"{bucket.key[1]}", meter)
         stats = self.s.step_stats

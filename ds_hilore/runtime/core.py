@@ -31,7 +31,7 @@ from ds_hilore.runtime.install import Installation, checkpointing_on
 from ds_hilore.runtime.microbatch import Microbatch
 from ds_hilore.runtime.plans import ACTIONS, Plans
 from ds_hilore.runtime.registry import ATTACHED as _ATTACHED  # noqa: F401 (importable here)
-from ds_hilore.runtime.registry import find_runtime, first_reached
+from ds_hilore.runtime.registry import find_runtime, first_reached, sharing
 from ds_hilore.runtime.units import LayerUnits, Unit, find_layers, outside_compile
 from ds_hilore.runtime.weights import WeightRecognizer
 from ds_hilore.runtime.zero_backward import gate
@@ -440,14 +440,13 @@ def _replaced(out, old: torch.Tensor, new: torch.Tensor):
 def _refuse_a_second_runtime(model: nn.Module) -> None:
     """One runtime per model: a second one on the same layers would capture each call twice,
     and the losses' coefficients would go to whichever the registry met first."""
-    for other in [rt for rt in list(_ATTACHED) if rt.attached]:
-        if other.model is model or any(m is model for m in other.model.modules()) or \
-                any(m is other.model for m in model.modules()):
-            raise HiLoReError(
-                "a HiLoRe runtime is already attached to this model "
-                f"({type(other.model).__name__}); "
-                "detach it first (ds_hilore.find_runtime(model).detach(), or engine.destroy() for "
-                "an engine of ds_hilore.initialize), or reuse it.")
+    others = sharing(model)
+    if others:
+        raise HiLoReError(
+            "a HiLoRe runtime is already attached to this model "
+            f"({type(others[0].model).__name__}); "
+            "detach it first (ds_hilore.find_runtime(model).detach(), or engine.destroy() for "
+            "an engine of ds_hilore.initialize), or reuse it.")
 
 
 def _check_coefficients(coefficients: torch.Tensor, frame: LayerFrame, offset: int | None) -> None:

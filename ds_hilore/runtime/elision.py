@@ -98,7 +98,7 @@ class Elision:
                 not all(f.segments_independent for f in frames):
             # segments see earlier ones: only a zero tail, and none where a mask lets a query
             # read a later key (NOTE [ Packed sequences ] in packed.py)
-            zero = _trailing(zero, every) if all(f.segments_causal for f in frames) else []
+            zero = trailing(zero, every) if all(f.segments_causal for f in frames) else []
         all_zero = len(zero) == every and all(f.elision_ok for f in frames)
         policy = self.runtime.policy  # NOTE [ Exact zeros ]: copies only where memory is short
         keep = 0 < len(zero) < every and policy is not None and policy.keeps_whole(mb)
@@ -366,7 +366,7 @@ def _unit_exposure(frames, abs_omega: torch.Tensor, cols: int, offset, segments)
     return out
 
 
-def _trailing(zero: list[int], count: int) -> list[int]:
+def trailing(zero: list[int], count: int) -> list[int]:
     """The zero segments after the last non-zero one (nothing later reads them)."""
     zero_set, start = set(zero), count
     while start > 0 and start - 1 in zero_set:

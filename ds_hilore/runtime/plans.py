@@ -11,6 +11,7 @@ from typing import Mapping
 
 from ds_hilore._errors import HiLoReError, HiLoReNameError
 from ds_hilore.runtime.bundle import CapturePlan
+from ds_hilore.runtime.elision import trailing
 from ds_hilore.runtime.units import LayerUnits, Unit
 
 logger = logging.getLogger("ds_hilore")
@@ -127,7 +128,7 @@ class Plans:
                               "it; use 'R' instead.")
         every = frame.sequences
         if frame.segments is not None and not frame.segments_independent and \
-                not (frame.segments_causal and rows == list(range(every - len(rows), every))):
+                not (frame.segments_causal and trailing(rows, every) == rows):
             raise HiLoReError(f"downgrade({name!r}, 'E', rows={rows}): sequences packed into one "
                               f"row of {every} whose attention lets the others read them; only the "
                               "last ones of a causal row (or a mask that keeps each sequence to "

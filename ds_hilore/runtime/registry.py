@@ -19,6 +19,13 @@ ATTACHED: "weakref.WeakSet" = weakref.WeakSet()  # HiLoReRuntime, while attached
 _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
 
 
+def sharing(model: nn.Module) -> list:
+    """The runtimes attached now whose model is ``model``, contains it, or is inside it."""
+    return [rt for rt in list(ATTACHED) if rt.attached and (
+        rt.model is model or any(m is model for m in rt.model.modules())
+        or any(m is rt.model for m in model.modules()))]
+
+
 def find_runtime(model: nn.Module | None = None):
     """The runtime attached to ``model``, to a module containing it, or to the one module inside
     it that has one (a DeepSpeed engine, a wrapper: its ``module``); without ``model``, the only
