@@ -804,8 +804,11 @@ def test_a_state_saved_while_leave_one_out_ran_runs_it_again_after_the_resume(ru
         try:
             fresh.load_state_dict(state)
             bucket = fresh.policy.buckets[TIGHT_BUCKET]
-            assert "H" in bucket.plan.actions.values() or "L" in bucket.plan.actions.values()
-            assert (bucket.loo is not None) is runs and bucket.validated is not runs
+            # what holds for any plan the measured times give: one that keeps a layer has
+            # something to validate, one that keeps none is validated at once
+            keeps = any(a != "R" for a in bucket.plan.actions.values())
+            assert (bucket.loo is not None) is (runs and keeps)
+            assert bucket.validated is not (runs and keeps)
         finally:
             fresh.detach()
 
