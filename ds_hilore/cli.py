@@ -7,9 +7,11 @@
     hilore units --list-archs                 the architectures --arch accepts
     hilore profile --model qwen2 --seq-len 512 --micro-batch 8 [--json PATH]
                                               measured cost, utility and susceptibility per unit
-    hilore bench --model tiny --budgets 1.05,1.10,1.20 [--json OUT.json --plot OUT.png]
+    hilore bench --model tiny [--ranks 2 --json OUT.json --plot OUT.png]
+    hilore bench --model tiny --run-steps 20 --lengths 128,256,512
     hilore bench --report OUT.json [--plot OUT.png] | --report A.json B.json ...
-                                              throughput / memory / gradient-error frontier
+                                              activation methods through DeepSpeed engines on
+                                              several ranks: speed, memory, gradient error
     hilore config --check ds_config.json      validate the "hilore" block; exit 2 on error
 """
 
@@ -90,14 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     profile.set_defaults(run=cli_profile.run)
 
     bench = sub.add_parser(
-        "bench", help="throughput / peak memory / gradient error frontier of activation methods",
-        description="Time the GRPO actor update (forward, loss, backward, AdamW step) of every "
-        "activation method (no checkpointing, HF GC, DeepSpeed AC, torch SAC, offload, HiLoRe "
-        "variants per memory budget) on copies of one model, on GRPO-shaped steps; peak memory, "
-        "the step's gradient error against no checkpointing and recomputed FLOPs in separate "
-        "passes; then paired rounds (every method once per round, the order rotating) and, per "
-        "pair, the median paired ratio with its 95 % interval. Prints a table; --json and "
-        "--plot write the report and the frontier.")
+        "bench", help="time activation methods through DeepSpeed engines on several ranks",
+        description="Launch --ranks processes (gloo on a CPU, NCCL on GPUs) and run the GRPO "
+        "actor update (forward, loss, engine.backward, engine.step) of each activation method "
+        "(no checkpointing, HF GC, HiLoRe and its variants at each memory budget, ...) through "
+        "its own DeepSpeed engine (ZeRO --zero-stage) on copies of one model, on GRPO-shaped "
+        "steps. Paired mode (default): warm-up, peak memory, the step's gradient error against "
+        "no checkpointing, then paired rounds (every method one step per round, the order "
+        "rotating; a step's time the slowest rank's) and, per pair, the median paired ratio "
+        "with its 95 % interval. Whole-run mode (--run-steps): fresh engines, HiLoRe's warm-up "
+        "included, and what the warm-up cost against GC. Prints a table; --json and --plot "
+        "write the report and the plot.")
     from ds_hilore.bench.options import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
@@ -208,21 +213,18 @@ def _run_config_check(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- bench
 def _run_bench(args: argparse.Namespace) -> int:
-    from ds_hilore.bench import frontier, report
+    from ds_hilore.bench import bench, report
 
     try:
         if args.report:
             return report.show(args.report, args.plot)
-        config = frontier.check_args(args)
-    except (frontier.BenchError, report.BenchReportError) as error:
+        return bench.main(args)
+    except (bench.BenchError, report.BenchReportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    config["threads"] = args.threads
-    try:
-        return frontier.main(config, args.json, args.plot)
-    except frontier.BenchError as error:  # found while preparing the data
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    except bench.RankFailure as error:
+        print(f"hilore bench: error: {error}", file=sys.stderr)
+        return 1
 
 
 # ---------------------------------------------------------------------------------- models

@@ -1,7 +1,14 @@
-"""``hilore bench``: the report's schema and the consistency of what it measured (not speed)."""
+"""``hilore bench``: what the report holds and the accounting behind it (never speed).
+
+Two real runs (the bench launching 2 CPU ranks, gloo, DeepSpeed ZeRO-2, on ``tiny``): the
+paired mode (3 rounds) and the whole-run mode; every figure the report derives is recomputed
+here from the raw per-rank samples it keeps. The rest is pure: flags, data, the stats reading,
+the rounds' conductor, paired statistics and the verdicts.
+"""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import math
@@ -9,207 +16,560 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from ds_hilore import cli
-from ds_hilore.bench import data, paired, targets
+from ds_hilore.bench import bench, data, options, paired, stats, summary, targets
 from ds_hilore.bench import report as report_module
 from ds_hilore.bench.methods import METHODS
 
 ROUNDS = 3
-EXACT = ("nogc", "gc", "sac", "block_h", "hr", "hilore_all_r", "hilore_all_h")
-RUN_KEYS = {"method", "budget", "tokens_per_s", "peak_bytes", "activation_peak_bytes",
-            "within_budget", "grad_err", "grad_err_microbatch", "plan_mix", "gap_closed", "cpu_s",
-            "recomputed_flops", "skipped", "vs_gc", "timed_as", "plans"}
+TINY = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--group-size", "4",
+        "--grad-accum", "2", "--ranks", "2", "--zero-stage", "2", "--codec-backend", "eager",
+        "--threads", "1"]
+PAIRED_METHODS = ("nogc", "gc", "static", "hr", "hilore", "hilore_all_r")
+
+
+def _run(tmp_path_factory, name: str, flags: list[str]) -> dict:
+    out = tmp_path_factory.mktemp(name)
+    argv = TINY + flags + ["--json", str(out / "b.json"), "--plot", str(out / "b.png")]
+    assert cli.main(argv) == 0
+    assert (out / "b.png").stat().st_size > 0
+    return json.loads((out / "b.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    argv = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "8", "--group-size", "4",
-            "--grad-accum", "2", "--rounds", str(ROUNDS), "--budgets", "1.10",
-            "--codec-backend", "eager", "--threads", "1",
-            "--json", str(out / "b.json"), "--plot", str(out / "b.png")]
-    assert cli.main(argv) == 0
-    with open(out / "b.json", encoding="utf-8") as handle:
-        return json.load(handle), out
+def paired_run(tmp_path_factory):
+    return _run(tmp_path_factory, "paired", ["--rounds", str(ROUNDS), "--predict",
+                                             "--methods", ",".join(PAIRED_METHODS)])
 
 
-def _runs(report, method):
-    return [r for r in report["runs"] if r["method"] == method]
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    return _run(tmp_path_factory, "whole", ["--run-steps", "6", "--lengths", "16,32",
+                                            "--methods", "gc,hilore"])
 
 
-def test_schema_and_every_method(bench):
-    report, out = bench
-    assert set(report) >= {"config", "host", "gc_peak_bytes", "profile_s", "runs", "rounds",
-                           "comparisons", "regime", "stop", "targets"}
-    assert isinstance(report["gc_peak_bytes"], int) and report["gc_peak_bytes"] > 0
-    assert report["profile_s"] > 0  # HiLoRe's warm-up was timed, on its own line
-    assert report["host"]["codec_compile_failures"] == {}  # eager: nothing to compile
-    assert report["stop"]["reason"] == "rounds"  # not the "running" of a report saved mid-way
-    assert (out / "b.png").stat().st_size > 0
-    for name, method in METHODS.items():
-        rows = _runs(report, name)
-        assert len(rows) == 1, name  # one budget: one row per method
-        row = rows[0]
-        assert RUN_KEYS <= set(row), name
-        assert (row["budget"] is None) == (not method.budgeted), name
-        if row["skipped"]:
-            assert isinstance(row["skipped"], str) and row["skipped"], name
-            continue
-        t = row["tokens_per_s"]
-        assert 0 < t["min"] <= t["median"] <= t["max"], name
-        assert row["peak_bytes"] > 0 and row["activation_peak_bytes"] >= 0, name
-        assert row["cpu_s"]["median"] > 0, name
-        assert row["warmed"] is True, name  # every warm-up ended before its cap
-        assert row["grad_err"]["mean"] >= 0 and row["grad_err"]["max"] >= row["grad_err"]["mean"]
-    assert set(report["efficiency"]) == {"hilore_all_r_vs_gc", "hilore_all_h_vs_nogc"}
-    offload = _runs(report, "offload")[0]
-    assert "CPU" in offload["skipped"]  # meaningless on a CPU device
-    ds_ac = _runs(report, "ds_ac")[0]
-    if ds_ac["skipped"]:  # no DeepSpeed group in this process
-        assert "--ds-init" in ds_ac["skipped"]
-    else:  # an earlier test of this process started one: ds_ac ran, and it is exact
-        assert ds_ac["grad_err"]["max"] == 0.0
-    for name in ("nogc", "gc", "sac", "block_h", "all_l", "static", "hr", "hilore"):
-        assert not _runs(report, name)[0]["skipped"], name
+def _label(row) -> str:
+    return row["method"] if row["budget"] is None else f"{row['method']}@{row['budget']:g}"
 
 
-def test_plans_name_every_unit(bench):
-    """Each allocator run's JSON holds its plan per shape bucket, unit by unit: every unit of the
-    model, H/L/S/R only, no packing under hr; runs without an allocator hold none."""
-    report, _ = bench
-    units = {f"model.layers.{i}.{kind}" for i in range(2) for kind in ("attn", "mlp")}  # tiny
-    for name in ("static", "hr", "hilore"):
-        (row,) = _runs(report, name)
-        assert row["plans"], name
-        for bucket, actions in row["plans"].items():
-            assert set(actions) == units and set(actions.values()) <= set("HLSR"), (name, bucket)
-            if name == "hr":
-                assert not set(actions.values()) & set("LS")
-    for name in ("nogc", "gc", "all_l", "hilore_all_r"):
-        assert _runs(report, name)[0]["plans"] is None, name
+def _slowest(ranks: list[dict], section: str, index: int, metric: str) -> dict[str, float]:
+    every = [r[section][index][metric] for r in ranks]
+    return {k: max(e[k] for e in every) for k in every[0]}
 
 
-def test_error_budget_reaches_every_allocator(bench):
-    """--grad-error-tolerance is the config's for every HiLoRe allocator (the default when not
-    given, said in the report); the table prints it."""
+# ---------------------------------------------------------------------------------- paired mode
+@pytest.mark.distributed
+def test_paired_json_holds_every_ranks_samples(paired_run):
+    report = paired_run
+    ranks = report["samples"]["ranks"]
+    assert report["config"]["ranks"] == 2 and report["config"]["zero_stage"] == 2
+    assert [r["rank"] for r in ranks] == [0, 1]
+    labels = [_label(r) for r in report["runs"]]
+    assert labels == ["nogc", "gc", "hilore_all_r", "static@1.1", "hr@1.1", "hilore@1.1"]
+    assert report["stop"]["reason"] == "rounds" and len(report["rounds"]) == ROUNDS
+    for rank in ranks:
+        assert len(rank["rounds"]) == ROUNDS
+        for k, entry in enumerate(rank["rounds"]):
+            assert set(entry["wall_s"]) == set(entry["cpu_s"]) == set(labels)
+            assert all(v > 0 for v in entry["wall_s"].values())
+            assert entry["order"] == rank["rounds"][0]["order"][k:] + rank["rounds"][0]["order"][:k]
+        assert set(rank["peaks"]) == set(labels) and set(rank["warmup"]) == set(labels)
+    for k, entry in enumerate(report["rounds"]):  # a step's time: the slowest rank's
+        assert entry["wall_s"] == _slowest(ranks, "rounds", k, "wall_s")
+        assert entry["cpu_s"] == _slowest(ranks, "rounds", k, "cpu_s")
+        assert entry["step"] == k % report["config"]["batches"]
+    for row in report["runs"]:  # a peak: the largest rank's; GC's is the budget's unit
+        label = _label(row)
+        assert row["peak_bytes"] == max(r["peaks"][label]["peak_bytes"] for r in ranks)
+        walls = [e["wall_s"][label] for e in report["rounds"]]
+        assert row["step_s"]["median"] == pytest.approx(statistics.median(walls))
+        tokens = report["samples"]["shared"]["tokens"]
+        assert row["tokens_per_s"]["median"] == pytest.approx(statistics.median(
+            tokens[e["step"]] / e["wall_s"][label] for e in report["rounds"]))
+    gc = next(r for r in report["runs"] if r["method"] == "gc")
+    assert report["gc_peak_bytes"] == gc["peak_bytes"]
+
+
+@pytest.mark.distributed
+def test_paired_verdicts_recomputed_from_the_raw_samples(paired_run):
+    report = paired_run
+    ranks = report["samples"]["ranks"]
+
+    def times(label, metric):  # per round, the slowest rank's, from every rank's raw samples
+        return [max(r["rounds"][k][metric][label] for r in ranks) for k in range(ROUNDS)]
+
+    assert len(report["comparisons"]) == 6 * 5 // 2
+    for c in report["comparisons"]:
+        for key, metric in (("wall", "wall_s"), ("cpu", "cpu_s")):
+            ratios = [b / a for a, b in zip(times(c["a"], metric), times(c["b"], metric))]
+            assert c[key]["n"] == ROUNDS
+            assert c[key]["median"] == pytest.approx(statistics.median(ratios))
+            low, high = _brute_interval([math.log(x) for x in ratios])
+            assert (c[key]["low"], c[key]["high"]) == (low, high)  # None, None at 3 rounds
+            assert c[key]["verdict"] == "level" and not c[key]["decided"]
+    for row in report["runs"]:
+        ratios = [g / t for g, t in zip(times("gc", "wall_s"), times(_label(row), "wall_s"))]
+        assert row["vs_gc"]["wall"]["median"] == pytest.approx(statistics.median(ratios))
+        if row["budget"] is not None:
+            assert row["within_budget"] == (row["peak_bytes"] <= row["budget"]
+                                            * report["gc_peak_bytes"])
+    (verdict,) = report["targets"]
+    rivals = {c["rival"] for c in verdict["decisive"]}
+    assert {"gc", "static@1.1"} <= rivals and set(verdict["undecided"]) == rivals
+    assert report["stop"]["undecided"] == [f"hilore@1.1 vs {r}" for r in verdict["undecided"]]
+
+
+@pytest.mark.distributed
+def test_paired_warm_up_gradients_and_plans(paired_run):
+    """Allocators warmed up until two steps showed no warm-up work; exact methods' gradient
+    (summed over ranks) equals no checkpointing's bitwise; each allocator's plan names every
+    unit; hr packs nothing."""
+    report = paired_run
+    ranks = report["samples"]["ranks"]
+    rows = {_label(r): r for r in report["runs"]}
+    units = {f"model.layers.{i}.{kind}" for i in range(2) for kind in ("attn", "mlp")}
+    for label, row in rows.items():
+        work = ranks[0]["warmup"][label]["work"]
+        if METHODS[row["method"]].allocator:
+            assert work[0] == ["profiling"] and work[-2:] == [[], []] and row["warmed"]
+            walls = [max(r["warmup"][label]["wall_s"][i] for r in ranks) for i in range(len(work))]
+            assert row["warmup_steps"] == len(work)
+            assert row["profile_s"] == pytest.approx(sum(walls))
+            for actions in row["plans"].values():
+                assert set(actions) == units and set(actions.values()) <= set("HLSR")
+            assert row["allocator"]["budget_bytes"] > 0
+        else:
+            assert work == [[]] and row["warmup_steps"] == 1
+    for name in ("nogc", "gc", "hr@1.1", "hilore_all_r"):
+        assert rows[name]["grad_err"]["max"] == 0.0, name
+        assert rows[name]["grad_err_microbatch"]["max"] == 0.0, name
+    assert not set(rows["hr@1.1"]["plan_mix"]) & set("LS")
+    assert rows["gc"]["recomputed_flops"] > 0 and rows["nogc"]["recomputed_flops"] == 0
+    assert report["profile_s"] == pytest.approx(sum(r["profile_s"] for r in rows.values()
+                                                    if METHODS[r["method"]].allocator))
+
+
+# ---------------------------------------------------------------------------------- whole run
+@pytest.mark.distributed
+def test_whole_run_accounting(whole_run):
+    """Update time = the sum of its steps (each the slowest rank's); warm-up seconds = the sum
+    over HiLoRe's warm-up steps (work shown on any rank) of its time minus GC's on the same
+    step; the steady ratio is the paired comparison over the steps after the last of them."""
+    report = whole_run
+    ranks, run = report["samples"]["ranks"], report["run"]
+    assert report["stop"]["reason"] == "steps" and len(run["steps"]) == 6
+    assert [s["seq_len"] for s in run["steps"]] == run["lengths"]
+    assert set(run["lengths"]) <= {16, 32}
+    wall = {label: [] for label in run["runs"]}
+    warm = []
+    for i, step in enumerate(run["steps"]):
+        assert step["wall_s"] == _slowest(ranks, "steps", i, "wall_s")
+        for label in wall:
+            wall[label].append(step["wall_s"][label])
+        if any(r["steps"][i]["work"].get("hilore@1.1") for r in ranks):
+            warm.append(i)
+    assert warm and warm[0] == 0  # nothing warmed beforehand: the first step profiles
+    assert run["runs"].keys() == {"nogc", "gc", "hilore@1.1"}
+    for label, times in wall.items():
+        assert run["runs"][label]["update_s"] == pytest.approx(sum(times))
+        assert run["runs"][label]["time_over_gc"] == pytest.approx(sum(times) / sum(wall["gc"]))
+    mine = run["runs"]["hilore@1.1"]
+    assert mine["warm_up_steps"] == warm
+    assert mine["warm_up_s"] == pytest.approx(sum(wall["hilore@1.1"][i] - wall["gc"][i]
+                                                  for i in warm))
+    after = warm[-1] + 1
+    assert mine["steady_from"] == after
+    assert mine["steady"] == paired.compare(wall["hilore@1.1"][after:], wall["gc"][after:])
+    assert "warm_up_s" not in run["runs"]["gc"]
+    text = report_module.run_text(report)
+    assert f"warm-up {len(warm)} step(s)" in text
+
+
+# ---------------------------------------------------------------------------------- flags
+def _parsed(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser)
+    return parser.parse_args(["--model", "tiny", *flags])
+
+
+def test_defaults_are_the_decisive_methods_at_one_budget():
+    config = options.check_args(_parsed())
+    assert config.methods == ("nogc", "gc", "static", "hr", "hilore")
+    assert config.budgets == (1.10,) and config.rounds == options.DEFAULT_ROUNDS
+    assert (config.device, config.ranks, config.zero_stage) == ("cpu", 2, 2)
+    assert (config.layout, config.predict, config.run_steps) == ("shuffled", False, None)
+    assert config.elide_zero_rows == "auto"
+    assert config.grad_error_tolerance == targets.default_tolerance()
+    assert options.Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    for flags, setting in ((["--elide-zero-rows", "false"], False),
+                           (["--elide-zero-rows", "true"], True),
+                           (["--elide-zero-rows", "whole"], "whole")):
+        assert options.check_args(_parsed(*flags)).elide_zero_rows == setting
+    run = options.check_args(_parsed("--run-steps", "5", "--lengths", "64,128"))
+    assert run.run_steps == 5 and run.lengths == (64, 128)
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["bench"].format_help()
+    assert "--repeats" not in help_text and "--no-elision" not in help_text
+    assert "local checkpoint directory" in help_text and "auto,cpu,cuda" in help_text
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--methods", "nogc,bogus"], ["--methods", "bogus", "allowed", "hilore", "block_h"]),
+    (["--model", "no-such-preset"], ["--model no-such-preset", "allowed", "qwen2.5-0.5b"]),
+    (["--budgets", "1.1,0.9"], ["--budgets", "0.9", ">= 1.0"]),
+    (["--layout", "grouped", "--group-size", "3"], ["--group-size 3", "--micro-batch 4",
+                                                    "allowed", "1,2,4"]),
+    (["--group-size", "3"], ["--group-size 3", "divisor of 16"]),
+    (["--rounds", "zero"], ["--rounds", "allowed", "auto"]),
+    (["--rounds", "3", "--run-steps", "4"], ["--rounds with --run-steps", "allowed"]),
+    (["--lengths", "64"], ["--lengths", "--run-steps"]),
+    (["--run-steps", "4", "--lengths", "4,x"], ["--lengths", "allowed", ">= 8"]),
+    (["--run-steps", "0"], ["--run-steps 0", "allowed"]),
+    (["--ranks", "0"], ["--ranks 0", "allowed"]),
+    (["--device", "cuda"], ["--device cuda", "allowed: cpu"]),
+    (["--clip-share", "1.5"], ["--clip-share 1.5", "allowed", "between 0 and 1"]),
+    (["--drop-zero-advantage", "--zero-adv-share", "1"], ["--zero-adv-share", "allowed"]),
+    (["--grad-error-tolerance", "1.5"], ["--grad-error-tolerance 1.5", "allowed", "0 <= X < 1"]),
+    (["--no-model"], ["--model is required", "--report"]),
+    (["--report", "/nonexistent/b.json"], ["--report", "not a readable hilore bench report"]),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, flags, words):
+    if "--device" in flags and torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    argv = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
+    if "--group-size" in flags:
+        argv = argv[:-2]
+    if "--model" in flags or flags == ["--no-model"]:
+        argv = ["bench", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
+        flags = [f for f in flags if f != "--no-model"]
+    assert cli.main(argv + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_unknown_or_repeated_flag_names_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--model", "tiny", "--repeats", "3"])
+    assert "--repeats" in capsys.readouterr().err
+
+
+def test_a_local_checkpoint_directory_is_a_model(tmp_path):
+    import transformers
+
+    from ds_hilore.bench import models
+
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    assert models.is_model(str(tmp_path / "ckpt")) and not models.is_model(str(tmp_path))
+    model = models.build_model(str(tmp_path / "ckpt"), "fp32", "cpu", seed=0, layers=1, lora_r=4)
+    assert len(models.lm_of(model).get_decoder().layers) == 1
+    assert options.check_args(_parsed()).model == "tiny"
+    args = _parsed()
+    args.model = str(tmp_path / "ckpt")
+    assert options.check_args(args).model == str(tmp_path / "ckpt")
+
+
+# ---------------------------------------------------------------------------------- data
+def _step(**flags) -> tuple[data.Shape, list[dict]]:
+    shape = data.Shape(**{"micro_batch": 8, "group_size": 4, "grad_accum": 3, "ranks": 2,
+                          "zero_adv_share": 0.5, "clip_share": 0.2, **flags})
+    return shape, data.global_step(shape, vocab=100, seq_len=64, seed=5, index=1)
+
+
+@pytest.mark.parametrize("layout", data.LAYOUTS)
+def test_grpo_data_is_what_the_flags_say(layout):
+    shape, step = _step(layout=layout)
+    again = _step(layout=layout)[1]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(step, again) for k in a)  # pure
+    assert len(step) == shape.microbatches == 6
+    groups = torch.cat([m["group"] for m in step])
+    adv = torch.cat([m["advantages"] for m in step])
+    assert sorted(groups.tolist()) == sorted(torch.arange(shape.sequences).div(4, rounding_mode="floor").tolist())
+    for m in step:
+        assert m["input_ids"].shape == (shape.micro_batch, 64)
+        assert m["mask"].shape == m["old_offset"].shape == (shape.micro_batch, 63)
+        assert m["mask"][:, :15].sum() == 0 and (m["mask"].sum(1) > 0).all()
+        assert (m["old_offset"][m["mask"] == 0] == 0).all()
+        assert data.exposure(m) == pytest.approx((m["advantages"].abs() * m["mask"].sum(1)).tolist())
+    zero = [k for k in groups.unique() if (adv[groups == k] == 0).all()]
+    assert len(zero) == round(shape.zero_adv_share * len(groups.unique()))
+    assert all((adv[groups == k] != 0).all() for k in groups.unique() if k not in zero)
+    mask = torch.cat([m["mask"] for m in step]).bool()
+    ratio = torch.exp(-torch.cat([m["old_offset"] for m in step]))[mask]
+    clipped = ((ratio < 1 - data.EPSILON_LOW) | (ratio > 1 + data.EPSILON_HIGH)).sum()
+    assert int(clipped) == round(shape.clip_share * int(mask.sum()))
+    spans = [len(m["group"].unique()) for m in step]
+    if layout == "grouped":  # whole groups in one microbatch
+        assert spans == [2] * 6
+    else:  # shuffled: a group's completions spread over microbatches
+        assert max(spans) > 2
+    total, exposed = data.prediction(step)
+    assert total == pytest.approx(sum(sum(data.exposure(m)) for m in step))
+    assert exposed == sum(1 for m in step if m["advantages"].abs().sum() > 0)
+    assert data.rank_microbatches(step, shape, 1) == step[3:]
+    assert data.tokens(step) == shape.sequences * 64
+
+
+def test_grpo_data_filtered_variant_drops_every_zero_advantage():
+    shape, full = _step(layout="grouped")
+    _, kept = _step(layout="grouped", drop_zero_advantage=True)
+    adv = torch.cat([m["advantages"] for m in full])
+    got = torch.cat([m["advantages"] for m in kept])
+    assert (got != 0).all() and torch.equal(got, adv[adv != 0])
+    assert len(kept) == shape.microbatches  # DeepSpeed's accumulation: a fixed count
+    assert [len(m["advantages"]) for m in kept] == [4] * 6  # 24 kept over 6, as even as can be
+
+
+def test_step_lengths_are_seeded_draws_of_the_lengths():
+    lengths = data.step_lengths([128, 256, 512], 30, seed=3)
+    assert lengths == data.step_lengths([128, 256, 512], 30, seed=3)
+    assert set(lengths) == {128, 256, 512}
+
+
+# ---------------------------------------------------------------------------------- stats
+def _plans(**buckets) -> dict:
+    return {k: (None if v is None else {"actions": dict(v)}) for k, v in buckets.items()}
+
+
+def test_step_work_reads_warm_up_off_the_stats():
+    keep = {"a": "H", "b": "R"}
+    fresh = {"plans": {}, "calibration": {"microbatches": 0, "seconds": 0.0}, "leave_one_out": {}}
+    profiling = dict(fresh, plans=_plans(**{"8x32": None}))
+    planned = dict(fresh, plans=_plans(**{"8x32": keep}))
+    calibrated = dict(planned, calibration={"microbatches": 1, "seconds": 0.2})
+    validated = dict(calibrated, leave_one_out={"8x32": {"utilities_s": {}}})
+    assert stats.step_work(None, fresh) == []
+    assert stats.step_work(None, profiling) == ["profiling"]
+    assert stats.step_work(profiling, planned) == ["planning", "leave-one-out"]
+    assert stats.step_work(planned, planned) == ["leave-one-out"]  # under way: no entry yet
+    assert stats.step_work(planned, planned, validates=False) == []
+    assert stats.step_work(planned, calibrated) == ["calibration", "leave-one-out"]
+    assert stats.step_work(calibrated, validated) == ["leave-one-out"]  # it ended in this step
+    assert stats.step_work(validated, validated) == []
+    replanned = dict(validated, plans=_plans(**{"8x32": {"a": "R", "b": "R"}}))
+    assert stats.step_work(validated, replanned) == ["planning"]
+    all_r = dict(fresh, plans=_plans(**{"8x32": {"a": "R"}}))
+    assert stats.step_work(all_r, all_r) == []  # an all-R plan has nothing to validate
+    assert stats.step_work(None, dict(validated, warm_up=["calibration"])) == ["calibration"]
+
+
+# ---------------------------------------------------------------------------------- conductor
+def _samples(walls: dict[str, list[float]], peaks: dict[str, int], ranks: int = 2) -> dict:
+    """Raw samples of ``len(walls[...])`` paired rounds; rank r's time is the value times
+    (1 + r / 100), its peak the value less r."""
+    labels = list(walls)
+    n = len(next(iter(walls.values())))
+
+    def record(r):
+        return {"rank": r, "block_h": {}, "flops": {k: [100, 100] for k in labels},
+                "warmup": {k: {"wall_s": [0.5], "cpu_s": [0.5], "work": [[]]} for k in labels},
+                "peaks": {k: {"peak_bytes": peaks[k] - r, "activation_peak_bytes": 1} for k in labels},
+                "rounds": [{"round": i, "step": 0, "order": labels,
+                            "wall_s": {k: walls[k][i] * (1 + r / 100) for k in labels},
+                            "cpu_s": {k: walls[k][i] for k in labels}} for i in range(n)]}
+
+    shared = {"runs": labels, "skipped": {}, "notes": {}, "warmed": {}, "hilore": {},
+              "tokens": [1000], "phase": "paired rounds",
+              "grad_err": {k: {"step": [0.0], "microbatch": [0.0]} for k in labels}}
+    return {"phase": "paired rounds", "waiting": n, "ranks": [record(r) for r in range(ranks)],
+            "shared": shared}
+
+
+def _conductor(*flags: str) -> bench.Conductor:
+    return bench.Conductor(options.check_args(_parsed(*flags)), None)
+
+
+def test_the_conductor_stops_the_rounds_when_told_decided_or_out_of_time():
+    g = random.Random(3)
+    loads = [g.uniform(1.0, 1.5) for _ in range(12)]
+    walls = {"nogc": [0.8 * x for x in loads], "gc": [1.2 * x for x in loads],
+             "static@1.1": [1.1 * x * g.uniform(0.99, 1.01) for x in loads],
+             "hilore@1.1": [1.0 * x * g.uniform(0.99, 1.01) for x in loads]}
+    peaks = {"nogc": 300, "gc": 100, "static@1.1": 105, "hilore@1.1": 108}
+
+    def first(n):
+        return _samples({k: v[:n] for k, v in walls.items()}, peaks)
+
+    fixed = _conductor("--rounds", "4")
+    assert [fixed.word(first(k), k) for k in range(5)] == [True] * 4 + [False]
+    assert fixed.stop["reason"] == "rounds"
+    auto = _conductor("--rounds", "auto")
+    said = [auto.word(first(k), k) for k in range(12)]
+    assert said.index(False) == paired.MIN_ROUNDS  # decided once an interval exists
+    assert auto.stop == {"reason": "decided", "undecided": []}
+    timed = _conductor("--rounds", "auto", "--max-minutes", "0.001")
+    assert timed.word(first(0), 0) and not timed.word(first(1), 1)  # one more would pass it
+    assert timed.stop["reason"] == "max_minutes"
+    doc = auto.document(first(6), final=True)  # rank 1 is the slower: its times count
+    assert doc["rounds"][0]["wall_s"]["gc"] == pytest.approx(walls["gc"][0] * 1.01)
+    assert doc["gc_peak_bytes"] == 100 and doc["stop"]["reason"] == "decided"
+    assert summary.slowest([{"a": 1.0, "b": 3.0}, {"a": 2.0, "b": 1.0}]) == {"a": 2.0, "b": 3.0}
+
+
+def test_an_end_the_bench_did_not_ask_for_is_an_interrupt(tmp_path, capsys):
+    samples = _samples({"nogc": [], "gc": []}, {"nogc": 2, "gc": 1})
+    samples["shared"].update(phase="warming up", interrupted=True)
+    conductor = _conductor()
+    doc = conductor.document(samples, final=True)
+    assert doc["stop"] == {"reason": "interrupted", "undecided": [], "phase": "warming up"}
+    path = tmp_path / "b.json"
+    assert bench._output(doc, str(path), None) == 1
+    assert json.loads(path.read_text())["stop"]["phase"] == "warming up"
+    assert "interrupted while warming up, before any timed step" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- the update
+def test_each_forward_is_preceded_by_its_predicted_exposure():
+    """With --predict the update hands HiLoRe |A_i| x response tokens of the next microbatch,
+    with the step's total over every rank's microbatches, before that microbatch's forward;
+    then engine.backward and engine.step, as a DeepSpeed actor update does."""
+    from ds_hilore.bench import engines, models
+
+    model = models.build_model("tiny", "fp32", "cpu", seed=0, lora_r=4)
+    shape = data.Shape(micro_batch=4, group_size=2, grad_accum=3, ranks=2, layout="grouped")
+    step = data.global_step(shape, vocab=512, seq_len=16, seed=0, index=0)
+    events = []
+
+    class Recorder:
+        def expect(self, exposure, step_exposure=None, exposed_microbatches=None):
+            events.append(("expect", exposure, step_exposure, exposed_microbatches))
+
+    class Engine:  # what train_step calls of a DeepSpeed engine
+        module, hilore = model, Recorder()
+
+        def __call__(self, **kwargs):
+            events.append(("forward",))
+            return model(**kwargs)
+
+        def backward(self, loss):
+            events.append(("backward",))
+            loss.backward()
+
+        def step(self):
+            events.append(("step",))
+
+    mine = data.rank_microbatches(step, shape, 1)
+    engines.train_step(engines.Run("hilore", 1.1, engine=Engine()), mine, data.prediction(step))
+    total = sum(float((m["advantages"].abs() * m["mask"].sum(1)).sum()) for m in step)
+    exposed = sum(1 for m in step if float(m["advantages"].abs().sum()) > 0)
+    expected = []
+    for m in mine:
+        exposure = (m["advantages"].abs() * m["mask"].sum(1)).tolist()
+        expected += [("expect", pytest.approx(exposure), pytest.approx(total), exposed),
+                     ("forward",), ("backward",), ("step",)]
+    assert events == expected
+
+
+def test_every_method_has_an_engine_config():
+    from ds_hilore.bench import engines
     from ds_hilore.config import HiLoReConfig
 
-    report, _ = bench
-    default = HiLoReConfig().grad_error_tolerance
-    assert report["config"]["grad_error_tolerance"] == default
-    assert f"(grad_error_tolerance): {default:g}" in report_module.table(report)
-    assert report_module._tolerance_note(report["config"]) == ""  # the plot's title: default
-    assert report_module._tolerance_note({"grad_error_tolerance": 0.004}) == \
-        ", grad_error_tolerance 0.004"
-    config = dict(report["config"], budget=1.1, grad_error_tolerance=0.004)
-    assert report["config"]["elide_zero_rows"] == "auto"
-    assert "--elide-zero-rows" not in report_module.table(report)
-    for setting, said in ((False, "--elide-zero-rows false"), (True, "--elide-zero-rows true"),
-                          ("whole", "--elide-zero-rows whole")):
-        saved = dict(report, config=dict(report["config"], elide_zero_rows=setting))
-        assert said in report_module.table(saved), setting
-    for name in ("static", "hr", "hilore"):
-        block = METHODS[name].hilore_config(config)
-        assert HiLoReConfig(**block).grad_error_tolerance == 0.004, name
-    hilore_methods = [m for m in METHODS.values() if hasattr(m, "hilore_config")]
-    assert {"all_l", "block_h", "hilore"} <= {m.name for m in hilore_methods}
-    for method in hilore_methods:  # --elide-zero-rows reaches every run that attaches HiLoRe
-        for setting in (False, True, "whole"):
-            block = method.hilore_config(dict(config, elide_zero_rows=setting, layers_n=2))
-            assert HiLoReConfig(**block).elide_zero_rows == setting, (method.name, setting)
-        assert HiLoReConfig(**method.hilore_config(dict(config, layers_n=2))).elide_zero_rows == "auto"
-        allocators = [run for run in _runs(report, name) if run["allocator"]]
-        assert allocators and all(r["allocator"]["risk_budget"] <= default for r in allocators)
-
-
-def test_memory_and_budgets(bench):
-    report, _ = bench
-    nogc, gc = _runs(report, "nogc")[0], _runs(report, "gc")[0]
-    assert gc["peak_bytes"] == report["gc_peak_bytes"]
-    assert nogc["peak_bytes"] >= gc["peak_bytes"]
-    assert nogc["activation_peak_bytes"] >= gc["activation_peak_bytes"]
-    for row in report["runs"]:
-        if row["skipped"] or row["budget"] is None:
-            assert row["within_budget"] is None
+    config = options.check_args(_parsed("--grad-error-tolerance", "0.004",
+                                        "--elide-zero-rows", "whole"))
+    for method in METHODS.values():
+        cfg = engines.ds_config(config, method, 1.1, block_k=1, layers=2, numel=1000)
+        assert cfg["zero_optimization"]["stage"] == 2
+        assert cfg["gradient_accumulation_steps"] == config.grad_accum
+        if method.engine != "hilore":
+            assert "hilore" not in cfg, method.name
             continue
-        assert row["within_budget"] == (row["peak_bytes"] <= row["budget"] * report["gc_peak_bytes"])
-    # NOTE [ One baseline for every run ] (bench/runs.py): the allocators profile in the same
-    # process memory whatever their warm-up order, so they plan for one absolute budget (up to
-    # the heap's own jitter: 0.01-0.02 % alone, 0.17 % seen once late in a loaded suite);
-    # before, each later run's included the earlier runs' optimizer state and gradients (0.3 %
-    # apart here)
-    budgets = [_runs(report, m)[0]["allocator"]["budget_bytes"] for m in ("static", "hr", "hilore")]
-    assert max(budgets) - min(budgets) <= 2e-3 * max(budgets), budgets
+        block = HiLoReConfig(**cfg["hilore"])
+        assert block.elide_zero_rows == "whole" and block.grad_error_tolerance == 0.004
+        assert ("memory_budget" in cfg["hilore"]) == (method.budgeted and not method.searched)
+    block_h = engines.ds_config(config, METHODS["block_h"], 1.1, block_k=1, layers=2)["hilore"]
+    assert block_h["force_plan"] == {"*": "R", "model.layers.1.*": "H"}
+    assert METHODS["static"].blind and METHODS["hr"].hilore == {"low_precision": "none"}
 
 
-def test_gradient_errors(bench):
-    """H, R (any mix, any order of storing) and torch's checkpointing recompute the same ops in
-    the same order: the gradient equals no checkpointing's bitwise. int8 packing does not."""
-    report, _ = bench
-    for name in EXACT:
-        row = _runs(report, name)[0]
-        assert row["grad_err"]["max"] == 0.0, (name, row["grad_err"])  # the step's gradient
-        assert row["grad_err_microbatch"]["max"] == 0.0, (name, row["grad_err_microbatch"])
-    all_l = _runs(report, "all_l")[0]
-    assert 0 < all_l["grad_err"]["max"] < 0.1
-    assert all_l["plan_mix"].get("L", 0) > 0
-    assert all_l["held_bytes"]["L"] > 0 and all_l["pack_s"] > 0 and all_l["unpack_s"] > 0
-    assert "L" not in _runs(report, "hr")[0]["held_bytes"]  # H and R only: nothing packed
-    for name in ("static", "hr", "hilore"):  # the allocator's own budget and estimate
-        own = _runs(report, name)[0]["allocator"]
-        assert own["budget_bytes"] > 0 and 0 <= own["grad_error_est"] <= own["risk_budget"], name
-    assert _runs(report, "hilore_all_h")[0]["allocator"] is None  # forced: no allocator
+# ---------------------------------------------------------------------------------- the GPU script
+def test_device_check_runs_on_cpu(tmp_path, capsys):
+    """The GPU script's exactness and memory check, run here on the CPU (fp32): H and R are
+    bitwise equal to GC, and HiLoRe's metered peak is within the budget."""
+    from ds_hilore.bench import device_check
+
+    out = tmp_path / "check.json"
+    code = device_check.main(["--device", "cpu", "--dtype", "fp32", "--codec-backend", "eager",
+                              "--seq-len", "32", "--json", str(out)])
+    result = json.loads(out.read_text())
+    exact = result["exactness"]
+    assert exact["deterministic"] and exact["gc_vs_gc_max_abs"] == 0.0
+    for method in ("hilore_all_h", "hilore_all_r"):
+        assert exact[method]["max_abs_vs_gc"] == 0.0 and exact[method]["ok"], method
+    # elision: every setting exact on a CPU; "whole" elided the all-zero microbatch (8
+    # sequences) and skipped its backward; true elided the zero groups of the mixed step, and
+    # the all-zero microbatch with its backward run
+    elision = exact["elision"]
+    assert [e["check"] for e in elision.values()] == [True, False, False]
+    assert all(e["max_abs_vs_gc"] == 0.0 and e["ok"] for e in elision.values()), elision
+    assert [(e["elided_sequences"], e["backward_skipped"]) for e in elision.values()] == \
+        [(8, 1), (8, 0), (8, 0)], elision
+    memory = result["memory"]
+    assert "reserved" not in memory["hilore"]  # CUDA only
+    assert memory["allocated_ratio"] == pytest.approx(
+        memory["hilore"]["allocated"] / memory["gc"]["allocated"])
+    assert memory["allocated_ok"] == (memory["allocated_ratio"] <= 1.10)
+    assert code == (0 if result["ok"] else 1)
+    printed = capsys.readouterr().out
+    assert "hilore_all_r vs GC: max |diff| 0 (ok)" in printed
 
 
-def test_gap_closed_formula(bench):
-    report, _ = bench
-    tokens = report["config"]["tokens_per_step"]
-    t = {r["method"]: tokens / r["tokens_per_s"]["median"]
-         for r in report["runs"] if not r["skipped"]}
-    assert _runs(report, "nogc")[0]["gap_closed"] == pytest.approx(1.0)
-    assert _runs(report, "gc")[0]["gap_closed"] == pytest.approx(0.0, abs=1e-9)
-    for row in report["runs"]:
-        if row["skipped"]:
-            continue
-        expected = (t["gc"] - t[row["method"]]) / (t["gc"] - t["nogc"])
-        assert math.isclose(row["gap_closed"], expected, rel_tol=1e-6, abs_tol=1e-9), row["method"]
+def test_device_check_refuses_cuda_without_a_device(capsys):
+    from ds_hilore.bench import device_check
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    assert device_check.main(["--device", "cuda"]) == 2
+    assert "--device cuda" in capsys.readouterr().err
 
 
-def test_targets_follow_the_rows(bench):
-    """The verdict for hilore is recomputed from the rows and rounds it reports on."""
-    report, _ = bench
-    (verdict,) = report["targets"]
-    me, gc = _runs(report, "hilore")[0], _runs(report, "gc")[0]
-    assert verdict["budget"] == me["budget"]
-    assert verdict["peak_ratio"] == pytest.approx(me["peak_bytes"] / report["gc_peak_bytes"])
-    assert verdict["met"]["peak"] == me["within_budget"]
-    assert verdict["grad_err_mean"] == me["grad_err"]["mean"]
-    assert verdict["flops_avoided"] == pytest.approx(
-        1 - me["recomputed_flops"] / gc["recomputed_flops"])
-    per_round = [(r["wall_s"]["gc"] - r["wall_s"]["hilore@1.1"])
-                 / (r["wall_s"]["gc"] - r["wall_s"]["nogc"])
-                 for r in report["rounds"] if r["wall_s"]["gc"] > r["wall_s"]["nogc"]]
-    if per_round:
-        assert verdict["gap_closed"]["median"] == pytest.approx(statistics.median(per_round))
-    fits = {(r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}")
-            for r in report["runs"] if not r["skipped"] and r["method"] != "hilore"
-            and r["peak_bytes"] <= me["budget"] * report["gc_peak_bytes"]
-            and r["grad_err"]["mean"] <= targets.ERROR_TOLERANCE}
-    assert {r["run"] for r in verdict["rivals"]} == fits
-    # the decisive comparisons: gc, static at this budget, the closest in-budget rival
-    rivals = {r["rival"] for r in verdict["decisive"]}
-    assert {"gc", "static@1.1"} <= rivals and verdict["best_rival"] in rivals
-    # 3 rounds cannot give a 95 % interval: nothing is decided, and the report says so
-    assert set(verdict["undecided"]) == rivals
-    assert report["stop"] == {"reason": "rounds",
-                              "undecided": [f"hilore@1.1 vs {r}" for r in verdict["undecided"]]}
+@pytest.mark.parametrize("script", ["gpu.sh", "gpu_wheels.sh"])
+def test_gpu_scripts_parse(script):
+    """The one-shot GPU scripts cannot run here (no GPU): they must at least parse, and pass
+    shellcheck where it is installed."""
+    import shutil
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "bench", script)
+    assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0
+    text = open(path, encoding="utf-8").read()
+    assert "set -euo pipefail" in text and "torch==" not in text  # never reinstalls torch
+    if shutil.which("shellcheck"):
+        proc = subprocess.run(["shellcheck", path], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout
 
 
+def test_gpu_script_runs_this_bench_on_one_gpu():
+    """Every bench flag the GPU script passes is one the bench has, with one rank on CUDA,
+    ZeRO-2, bf16, the paper's model, and the whole-run mode."""
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "bench", "gpu.sh")
+    text = open(path, encoding="utf-8").read().replace("\\\n", " ")
+    calls = [line.split("ds_hilore.cli bench", 1)[1] for line in text.splitlines()
+             if "ds_hilore.cli bench" in line]
+    assert len(calls) == 2
+    parser = cli.build_parser()
+    bench_parser = parser._subparsers._group_actions[0].choices["bench"]
+    known = {s for a in bench_parser._actions for s in a.option_strings}
+    for call in calls:
+        flags = {w for w in call.split() if w.startswith("--")}
+        assert flags <= known, flags - known
+        for flag in ("--device cuda", "--ranks 1", "--zero-stage 2", "--dtype bf16",
+                     "--model qwen2.5-1.5b"):
+            assert flag in call
+    assert "--run-steps" in calls[1] and "--lengths" in calls[1]
+
+
+def test_plot_styles_are_distinct_per_method():
+    styles = report_module._STYLE[: len(METHODS)]
+    assert len(styles) == len(METHODS)  # one style per registered method
+    assert len({s[:-1] for s in styles}) == len(styles) and len({s[-1] for s in styles}) == len(styles)
+
+
+# ---------------------------------------------------------------------------------- statistics
 def _brute_interval(logs):
     """The signed-rank interval by enumeration of every sign pattern (independent of the DP)."""
     n = len(logs)
@@ -222,128 +582,6 @@ def _brute_interval(logs):
     walsh = sorted((logs[i] + logs[j]) / 2 for i in range(n) for j in range(i, n))
     return (None, None) if k < 1 else (math.exp(walsh[k - 1]), math.exp(walsh[-k]))
 
-
-def test_an_interrupt_ends_the_rounds_and_each_round_was_saved(monkeypatch):
-    """SIGINT (what ``timeout`` sends the GPU script's bench) in round 3 ends the rounds: the
-    two completed are reported, and each was handed to ``saved`` as it completed."""
-    from ds_hilore.bench import frontier
-
-    def one_round(live, index, data, step_index):
-        if index == 2:
-            raise KeyboardInterrupt
-        return {"round": index, "wall_s": {"gc": 1.0}, "cpu_s": {"gc": 1.0}}
-
-    monkeypatch.setattr(frontier, "_one_round", one_round)
-    saved = []
-    records, stop = frontier._rounds([object()], [[None]], {"rounds": 5, "max_minutes": None},
-                                     frontier.Clock(None),
-                                     lambda records: {"runs": [], "rounds": list(records)},
-                                     lambda report: saved.append(len(report["rounds"])))
-    assert [r["round"] for r in records] == [0, 1] and saved == [1, 2]
-    assert stop == {"reason": "interrupted", "undecided": []}
-    assert "2 paired rounds (interrupted)" in report_module._stop_line(
-        {"stop": stop, "rounds": records})
-
-
-TINY_AUTO = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "8", "--group-size",
-             "4", "--grad-accum", "2", "--budgets", "1.10", "--codec-backend", "eager",
-             "--threads", "1", "--methods", "nogc,gc,hr,hilore", "--rounds", "auto"]
-
-
-def test_max_minutes_bounds_the_whole_bench_not_only_its_rounds(tmp_path):
-    """Out of time before the warm-up (a limit of 6 ms): the runs the decisive comparisons need
-    are still warmed up and planned, the others dropped with the reason; one round, then the
-    bench stops on its minutes."""
-    path = tmp_path / "b.json"
-    assert cli.main(TINY_AUTO + ["--max-minutes", "0.0001", "--json", str(path)]) == 0
-    report = json.loads(path.read_text(encoding="utf-8"))
-    rows = {r["method"]: r for r in report["runs"]}
-    assert rows["hr"]["skipped"].startswith("not warmed up: --max-minutes 0.0001")
-    assert rows["hilore"]["warmed"] is True and rows["hilore"]["plans"]
-    assert all(rows[m]["skipped"] is None for m in ("nogc", "gc", "hilore"))
-    assert len(report["rounds"]) == 1 and report["stop"]["reason"] == "max_minutes"
-    assert set(report["rounds"][0]["wall_s"]) == {"nogc", "gc", "hilore@1.1"}
-
-
-def test_an_interrupt_in_the_warm_up_saves_what_was_measured(monkeypatch, tmp_path, capsys):
-    """SIGINT while HiLoRe warms up: the document says where it stopped, every run's row is
-    there (none measured), and the bench exits 1 with one line naming the file."""
-    from ds_hilore.bench import frontier
-
-    real = frontier.step
-
-    def step(run, micro_batches, **kwargs):
-        if run.method == "hilore" and run.warmup_steps == 1:
-            raise KeyboardInterrupt
-        return real(run, micro_batches, **kwargs)
-
-    monkeypatch.setattr(frontier, "step", step)
-    path = tmp_path / "b.json"
-    assert cli.main(TINY_AUTO + ["--json", str(path)]) == 1
-    report = json.loads(path.read_text(encoding="utf-8"))
-    assert report["stop"] == {"reason": "interrupted", "phase": "warming up", "undecided": []}
-    assert report["rounds"] == [] and [r["method"] for r in report["runs"]] == [
-        "nogc", "gc", "hr", "hilore"]
-    assert all(r["skipped"] == "not measured" for r in report["runs"])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"hilore bench: error: interrupted while warming up, before any paired round; "
-                   f"what was measured is in {path}")
-
-
-def test_a_codec_that_fell_back_to_eager_is_reported(monkeypatch):
-    """A codec kernel whose compilation failed runs eager; the report says which and why."""
-    from ds_hilore.bench import summary
-    from ds_hilore.runtime.codecs import CODECS
-
-    kernel = CODECS["int8"].encode
-    monkeypatch.setattr(kernel, "failure", "InductorError: no compiler")
-    host = summary._host({"device": "cpu"})
-    assert host["codec_compile_failures"] == {kernel.name: "InductorError: no compiler"}
-    line = [x for x in report_module.table({"gc_peak_bytes": 1, "runs": [], "profile_s": 0.0,
-                                            "host": host, "config": {}}).splitlines()
-            if "torch.compile failed" in x]
-    assert line and kernel.name in line[0]
-
-
-def test_rounds_hold_every_raw_sample_and_rotate(bench):
-    report, _ = bench
-    rounds = report["rounds"]
-    timed = [r["timed_as"] for r in report["runs"] if not r["skipped"] and not r.get("measured_once")]
-    assert len(rounds) == ROUNDS
-    for k, record in enumerate(rounds):
-        assert sorted(record["order"]) == sorted(timed)
-        assert record["order"] == rounds[0]["order"][k:] + rounds[0]["order"][:k]  # rotating
-        assert record["step"] == k % report["config"]["batches"]  # same data for every run
-        for metric in ("wall_s", "cpu_s"):
-            assert set(record[metric]) == set(timed) and all(v > 0 for v in record[metric].values())
-    for row in report["runs"]:
-        if row["skipped"]:
-            continue
-        walls = [r["wall_s"][row["timed_as"]] for r in rounds]
-        assert row["step_s"]["median"] == pytest.approx(statistics.median(walls))
-
-
-def test_paired_ratios_and_intervals_recomputed_from_the_samples(bench):
-    report, _ = bench
-    rounds = report["rounds"]
-    labels = {(r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}"):
-              r["timed_as"] for r in report["runs"] if not r["skipped"]}
-    assert report["comparisons"]
-    for c in report["comparisons"]:
-        for key, metric in (("wall", "wall_s"), ("cpu", "cpu_s")):
-            a, b = labels[c["a"]], labels[c["b"]]
-            ratios = [r[metric][b] / r[metric][a] for r in rounds]
-            assert c[key]["n"] == ROUNDS
-            assert c[key]["median"] == pytest.approx(statistics.median(ratios))
-            low, high = _brute_interval([math.log(x) for x in ratios])
-            assert (c[key]["low"], c[key]["high"]) == (low, high)  # None, None at 3 rounds
-            assert c[key]["verdict"] == "level" and not c[key]["decided"]
-    gc = _runs(report, "gc")[0]
-    for row in report["runs"]:
-        if not row["skipped"]:
-            ratios = [r["wall_s"]["gc"] / r["wall_s"][row["timed_as"]] for r in rounds]
-            assert row["vs_gc"]["wall"]["median"] == pytest.approx(statistics.median(ratios))
-    assert gc["vs_gc"]["wall"]["median"] == 1.0
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -494,298 +732,6 @@ def test_a_rival_level_with_the_best_one_is_decisive_too(block_h, decisive):
     assert [c["rival"] for c in v["decisive"]] == expected
 
 
-def test_a_steps_flops_count_every_microbatch():
-    # FlopCounterMode starts from zero at each entry: a step of three microbatches must report
-    # three counts, not the last one's
-    import contextlib
-    import types
-
-    from ds_hilore.bench import runs, summary
-
-    model = runs.build_model({"dtype": "fp32", "seed": 0, "model": "tiny", "layers": None,
-                              "lora_r": 0, "device": "cpu"})
-    shape = data.GrpoShape(micro_batch=4, seq_len=16, group_size=4, grad_accum=3,
-                           zero_adv_share=0.0, clip_share=0.0)
-    (micro_batches,) = data.attach_behaviour(data.grpo_steps(shape, vocab=512, steps=1, seed=0),
-                                             lambda ids: runs.logprobs(model, ids), "cpu")
-    run = runs.Run("nogc", None, model=model,
-                   context=types.SimpleNamespace(step=contextlib.nullcontext, runtime=None))
-    runs.step(run, micro_batches, optimize=False, flops=True)
-    three = run.microbatch_flops
-    runs.step(run, micro_batches[:1], optimize=False, flops=True)
-    assert len(three) == 3 and three[0] == run.microbatch_flops[0] > 0
-    assert len(set(three)) == 1  # one shape: the same FLOPs each
-    # above no checkpointing, microbatch by microbatch; one that runs fewer counts 0
-    assert summary.recomputed_flops([15, 4, 12], [10, 10, 10]) == 5 + 0 + 2
-    assert summary.recomputed_flops([15, 4], [10, 10, 10]) is None
-    assert summary.recomputed_flops(None, [10]) is None
-
-
-def test_adaptive_rounds_stop_when_decided_or_out_of_time(monkeypatch):
-    from ds_hilore.bench import frontier
-
-    full = _fake_report(shift_gc=1.10, shift_static=1.10, n=40)
-
-    def one_round(live, index, data, step_index):
-        return full["rounds"][index]
-
-    def provisional(records):
-        return dict(full, rounds=records)
-
-    monkeypatch.setattr(frontier, "_one_round", one_round)
-    config = {"rounds": "auto", "max_minutes": None}
-    records, stop = frontier._rounds([None], [[]], config, frontier.Clock(None), provisional)
-    assert stop == {"reason": "decided", "undecided": []}
-    assert len(records) == paired.MIN_ROUNDS  # decided as soon as an interval exists
-    level = _fake_report(shift_gc=1.10, shift_static=1.0, n=40)  # static level: never decided
-    monkeypatch.setattr(frontier, "_one_round", lambda live, i, d, s: level["rounds"][i])
-    config = {"rounds": "auto", "max_minutes": 1.0}
-    clock = frontier.Clock(1.0)
-    clock.begin -= 59.0
-    records, stop = frontier._rounds([None], [[]], config, clock,
-                                     lambda recs: dict(level, rounds=recs))
-    assert stop["reason"] == "max_minutes" and len(records) == 1  # one more round would pass it
-    records, stop = frontier._rounds([None], [[]], {"rounds": 8, "max_minutes": None},
-                                     frontier.Clock(None), lambda recs: dict(level, rounds=recs))
-    assert len(records) == 8 and stop["reason"] == "rounds"
-
-
-# ---------------------------------------------------------------------------------- data
-def _steps(**flags):
-    shape = data.GrpoShape(**{"micro_batch": 8, "seq_len": 64, "group_size": 4, "grad_accum": 3,
-                              "zero_adv_share": 0.5, "clip_share": 0.2, **flags})
-    return shape, data.grpo_steps(shape, vocab=100, steps=3, seed=5)
-
-
-def test_grpo_data_is_what_the_flags_say():
-    shape, steps = _steps()
-    again = _steps()[1]
-    for step_a, step_b in zip(steps, again):  # pure: same arguments, same tensors
-        for a, b in zip(step_a, step_b):
-            assert all(torch.equal(a[k], b[k]) for k in a)
-    for micro_batches in steps:
-        assert len(micro_batches) == shape.grad_accum
-        groups = torch.cat([m["group"] for m in micro_batches])
-        adv = torch.cat([m["advantages"] for m in micro_batches])
-        for m in micro_batches:
-            assert m["input_ids"].shape == (shape.micro_batch, shape.seq_len)
-            assert m["mask"].shape == m["old_offset"].shape == (shape.micro_batch, shape.seq_len - 1)
-            _, sizes = torch.unique_consecutive(m["group"], return_counts=True)
-            assert (sizes == shape.group_size).all()  # whole groups inside one microbatch
-            prompt = shape.seq_len // 4
-            assert m["mask"][:, : prompt - 1].sum() == 0 and (m["mask"].sum(1) > 0).all()
-            assert (m["old_offset"][m["mask"] == 0] == 0).all()
-            assert data.exposure(m) == pytest.approx((m["advantages"].abs() * m["mask"].sum(1)).tolist())
-        n_groups = len(groups.unique())
-        zero = [k for k in groups.unique() if (adv[groups == k] == 0).all()]
-        assert len(zero) == round(shape.zero_adv_share * n_groups)
-        assert all((adv[groups == k] != 0).all() for k in groups.unique() if k not in zero)
-        mask = torch.cat([m["mask"] for m in micro_batches]).bool()
-        ratio = torch.exp(-torch.cat([m["old_offset"] for m in micro_batches]))[mask]
-        clipped = ((ratio < 1 - data.EPSILON_LOW) | (ratio > 1 + data.EPSILON_HIGH)).sum()
-        assert int(clipped) == round(shape.clip_share * int(mask.sum()))  # drawn per step
-        lengths = mask.sum(1)
-        assert len(lengths.unique()) > 1  # varied response lengths
-
-
-def test_grpo_data_filtered_variant_drops_every_zero_advantage():
-    shape, full = _steps()
-    _, kept = _steps(drop_zero_advantage=True)
-    for step_full, step_kept in zip(full, kept):
-        adv = torch.cat([m["advantages"] for m in step_full])
-        ids = torch.cat([m["input_ids"] for m in step_full])
-        got = torch.cat([m["advantages"] for m in step_kept])
-        assert (got != 0).all() and torch.equal(got, adv[adv != 0])
-        assert torch.equal(torch.cat([m["input_ids"] for m in step_kept]), ids[adv != 0])
-        assert all(len(m["advantages"]) <= shape.micro_batch for m in step_kept)
-        assert all(len(m["advantages"]) == shape.micro_batch for m in step_kept[:-1])
-
-
-@pytest.mark.parametrize("flags, words", [
-    (["--methods", "nogc,bogus"], ["bogus", "allowed", "hilore", "block_h"]),
-    (["--model", "no-such-preset"], ["no-such-preset", "allowed", "qwen2.5-0.5b"]),
-    (["--budgets", "1.1,0.9"], ["--budgets", "0.9", ">= 1.0"]),
-    (["--group-size", "3"], ["--group-size 3", "--micro-batch 4", "allowed", "1,2,4"]),
-    (["--rounds", "zero"], ["--rounds", "allowed", "auto"]),
-    (["--clip-share", "1.5"], ["--clip-share 1.5", "allowed", "between 0 and 1"]),
-    (["--drop-zero-advantage", "--zero-adv-share", "1"], ["--zero-adv-share", "allowed"]),
-    (["--grad-error-tolerance", "1.5"], ["--grad-error-tolerance 1.5", "allowed", "0 <= X < 1"]),
-    (["--no-model"], ["--model is required", "--report"]),
-    (["--report", "/nonexistent/b.json"], ["--report", "not a readable hilore bench report"]),
-])
-def test_bad_flags_exit_2(capsys, flags, words):
-    argv = ["bench", "--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
-    if "--group-size" in flags:
-        argv = argv[:-2]
-    if "--model" in flags or flags == ["--no-model"]:
-        argv = ["bench", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
-        flags = [f for f in flags if f != "--no-model"]
-    assert cli.main(argv + flags) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: ")
-    for word in words:
-        assert word in err, (word, err)
-
-
-@pytest.mark.slow  # DeepSpeed builds its CPU comm op on first use (a minute or two, once)
-def test_ds_ac_with_a_one_rank_group(tmp_path):
-    out = tmp_path / "ds.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ds_hilore.cli", "bench", "--model", "tiny", "--seq-len", "32",
-         "--micro-batch", "4", "--group-size", "2", "--repeats", "1", "--methods", "nogc,gc,ds_ac",
-         "--ds-init",
-         "--threads", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(out.read_text())
-    row = _runs(report, "ds_ac")[0]
-    assert row["skipped"] is None and row["grad_err"]["max"] == 0.0
-    assert row["activation_peak_bytes"] <= _runs(report, "nogc")[0]["activation_peak_bytes"]
-
-
-def test_local_checkpoint_directory(tmp_path):
-    import transformers
-
-    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
-    out = tmp_path / "local.json"
-    argv = ["bench", "--model", str(tmp_path / "ckpt"), "--layers", "1", "--seq-len", "16",
-            "--micro-batch", "2", "--group-size", "2", "--repeats", "1",
-            "--methods", "nogc,gc,hilore_all_r",
-            "--budgets", "1.2", "--threads", "1", "--codec-backend", "eager", "--json", str(out)]
-    assert cli.main(argv) == 0
-    report = json.loads(out.read_text())
-    assert report["config"]["layers_built"] == 1
-    assert {r["method"] for r in report["runs"]} == {"nogc", "gc", "hilore_all_r"}
-    assert _runs(report, "hilore_all_r")[0]["grad_err"]["max"] == 0.0
-
-
-def test_device_check_runs_on_cpu(tmp_path, capsys):
-    """The GPU script's exactness and memory check, run here on the CPU (fp32): H and R are
-    bitwise equal to GC, and HiLoRe's metered peak is within the budget."""
-    from ds_hilore.bench import device_check
-
-    out = tmp_path / "check.json"
-    code = device_check.main(["--device", "cpu", "--dtype", "fp32", "--codec-backend", "eager",
-                              "--seq-len", "32", "--json", str(out)])
-    result = json.loads(out.read_text())
-    exact = result["exactness"]
-    assert exact["deterministic"] and exact["gc_vs_gc_max_abs"] == 0.0
-    for method in ("hilore_all_h", "hilore_all_r"):
-        assert exact[method]["max_abs_vs_gc"] == 0.0 and exact[method]["ok"], method
-    # elision: every setting exact on a CPU; "whole" elided the all-zero microbatch (8
-    # sequences) and skipped its backward; true elided the zero group (4) of each microbatch
-    # of the mixed step, and the all-zero microbatch with its backward run
-    elision = exact["elision"]
-    assert [e["check"] for e in elision.values()] == [True, False, False]
-    assert all(e["max_abs_vs_gc"] == 0.0 and e["ok"] for e in elision.values()), elision
-    assert [(e["elided_sequences"], e["backward_skipped"]) for e in elision.values()] == \
-        [(8, 1), (8, 0), (8, 0)], elision
-    memory = result["memory"]
-    assert "reserved" not in memory["hilore"]  # CUDA only
-    assert memory["allocated_ratio"] == pytest.approx(
-        memory["hilore"]["allocated"] / memory["gc"]["allocated"])
-    assert memory["allocated_ok"] == (memory["allocated_ratio"] <= 1.10)
-    assert code == (0 if result["ok"] else 1)
-    printed = capsys.readouterr().out
-    assert "hilore_all_r vs GC: max |diff| 0 (ok)" in printed
-    assert "elide_zero_rows whole: a microbatch all zero: max |diff| 0, 8 sequences elided, " \
-        "1 backward skipped (ok)" in printed
-
-
-def test_plot_styles_are_distinct_per_method():
-    from ds_hilore.bench import report
-
-    styles = report._STYLE[: len(METHODS)]
-    assert len(styles) == len(METHODS)  # one style per registered method
-    assert len({s[:-1] for s in styles}) == len(styles) and len({s[-1] for s in styles}) == len(styles)
-
-
-@pytest.mark.parametrize("script", ["gpu.sh", "gpu_wheels.sh"])
-def test_gpu_scripts_parse(script):
-    """The one-shot GPU scripts cannot run here (no GPU): they must at least parse, and pass
-    shellcheck where it is installed."""
-    import shutil
-
-    path = os.path.join(os.path.dirname(__file__), "..", "examples", "bench", script)
-    assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0
-    text = open(path, encoding="utf-8").read()
-    assert "set -euo pipefail" in text and "torch==" not in text  # never reinstalls torch
-    if shutil.which("shellcheck"):
-        proc = subprocess.run(["shellcheck", path], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout
-
-
-def test_each_forward_is_preceded_by_its_predicted_exposure():
-    """The bench hands HiLoRe |A_i| x response tokens of the next microbatch (and the step's
-    total) through the runtime's public ``expect``, before that microbatch's forward."""
-    from ds_hilore.bench import frontier
-    from ds_hilore.bench.methods import Context
-    from ds_hilore.bench.runs import Run, build_model, step
-
-    config = {"model": "tiny", "layers": None, "full": False, "dtype": "fp32", "device": "cpu",
-              "lora_r": 4, "seed": 0, "batches": 1, "seq_len": 16, "micro_batch": 4,
-              "group_size": 2, "grad_accum": 3, "zero_adv_share": 0.5, "clip_share": 0.1,
-              "drop_zero_advantage": False}
-    model = build_model(config)
-    (micro_batches,) = frontier.make_steps(model, config)
-    events = []
-
-    class Recorder:
-        def expect(self, exposure, step_exposure=None, exposed_microbatches=None):
-            events.append(("expect", exposure, step_exposure, exposed_microbatches))
-
-        def end_step(self):
-            events.append(("end_step",))
-
-    model.register_forward_pre_hook(lambda module, args: events.append(("forward",)))
-    step(Run("x", None, model=model, context=Context(runtime=Recorder())), micro_batches,
-         optimize=False)
-    total = sum(float((m["advantages"].abs() * m["mask"].sum(1)).sum()) for m in micro_batches)
-    exposed = sum(1 for m in micro_batches if float(m["advantages"].abs().sum()) > 0)
-    expected, zeros = [], 0
-    for m in micro_batches:
-        exposure = (m["advantages"].abs() * m["mask"].sum(1)).tolist()
-        zeros += exposure.count(0.0)
-        expected += [("expect", pytest.approx(exposure), pytest.approx(total), exposed),
-                     ("forward",)]
-    assert events == expected + [("end_step",)]
-    assert zeros == 3 * 2  # 3 of the step's 6 groups have A = 0: predicted exactly 0
-
-
-def test_block_h_k_is_found_against_gc_measured_beside_the_probe(monkeypatch):
-    """block_h's k: each probe's peak is compared with GC's peak read while that probe is
-    alive (NOTE [ block_h's k, measured against GC in the same memory ]), not with GC's first
-    reading, taken before the budgeted runs existed. Fake meter: a peak is the bytes of the
-    runs alive plus the run's activations (GC 100, block_h 100 + 20 per stored layer)."""
-    from ds_hilore.bench import frontier
-    from ds_hilore.bench.runs import Run
-
-    alive = {"bytes": 1300}  # GC's first reading saw 1000: the budgeted runs were made since
-
-    def new_run(method, budget, base, config, extra=None):
-        alive["bytes"] += 10  # the probe's own copy and optimizer state
-        return Run(method, budget, note=str(extra["block_k"]))
-
-    def close(run):
-        alive["bytes"] -= 10
-
-    def measure_peak(run, data, device):
-        act = 100 if run.method == "gc" else 100 + 20 * int(run.note)
-        return alive["bytes"] + act, act
-
-    monkeypatch.setattr(frontier, "new_run", new_run)
-    monkeypatch.setattr(frontier, "close", close)
-    monkeypatch.setattr(frontier, "measure_peak", measure_peak)
-    monkeypatch.setattr(frontier, "step", lambda run, data: None)
-    k, probes = frontier._find_block_k(None, {"layers_n": 8, "device": "cpu"}, 1.10,
-                                       Run("gc", None), data=None)
-    # beside a probe GC peaks at 1410, so 1.10x allows 1551: 1410 + 20k fits up to k = 7
-    assert k == 7  # against GC's first reading (1100 -> 1210) no k would fit: k = 0
-    assert probes == [(4, 1490, 1410), (6, 1530, 1410), (7, 1550, 1410), (8, 1570, 1410)]
-    assert alive["bytes"] == 1300  # every probe closed
-
 
 def test_several_reports_side_by_side_say_how_many_runs_agreed(tmp_path, capsys):
     # two runs of one command: static 6 % slower than hilore in the first (decided ahead),
@@ -814,18 +760,3 @@ def test_several_reports_side_by_side_say_how_many_runs_agreed(tmp_path, capsys)
     assert len(err) == 1 and "missing.json: not a readable hilore bench report" in err[0]
 
 
-def test_elision_flags_reach_the_config():
-    import argparse
-
-    from ds_hilore.bench import options
-
-    parser = argparse.ArgumentParser()
-    options.add_arguments(parser)
-    argv = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--group-size", "2"]
-    assert options.check_args(parser.parse_args(argv))["elide_zero_rows"] == "auto"
-    for flags, setting in ((["--no-elision"], False), (["--elide-zero-rows", "false"], False),
-                           (["--elide-zero-rows", "true"], True),
-                           (["--elide-zero-rows", "whole"], "whole")):
-        config = options.check_args(parser.parse_args(argv + flags))
-        assert config["elide_zero_rows"] == setting and \
-            type(config["elide_zero_rows"]) is type(setting), flags

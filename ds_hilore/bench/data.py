@@ -1,20 +1,28 @@
-"""GRPO-shaped data for ``hilore bench``: optimizer steps of accumulated microbatches (pure).
+"""GRPO-shaped data for ``hilore bench``: one optimizer step of every rank (pure).
 
-``grpo_steps(shape, vocab, seed)`` draws the steps from nothing but its arguments: per step,
-``shape.grad_accum`` microbatches of ``shape.micro_batch`` sequences of ``shape.seq_len`` tokens
+``global_step(shape, vocab, seq_len, seed, index)`` draws step ``index`` of the run from
+nothing but its arguments: ``ranks x grad_accum x micro_batch`` sequences of ``seq_len`` tokens
 -- a prompt of ``seq_len // 4`` tokens, then a response of random length (a quarter of the rest
-up to all of it) -- in groups of ``shape.group_size`` completions of one prompt (a group never
-spans two microbatches). A share ``zero_adv_share`` of the step's groups has no reward spread
-(every completion scored alike: A = 0 exactly); the others mix rewards 0 and 1. On a share
-``clip_share`` of the response tokens the behaviour log-probs are off by ``CLIP_OFFSET`` from
-the policy's (the ratio exp(logp - old) is outside the clip range [1 - 0.2, 1 + 0.28] at the
-initial weights, so those tokens are clipped), on the rest by at most ``NEAR_OFFSET`` (inside).
-The offsets are returned (``old_offset``); the behaviour log-probs themselves are the policy's
-plus them (``attach_behaviour``, the one step that runs the model).
+up to all of it) -- in GRPO groups of ``group_size`` completions of one prompt. A share
+``zero_adv_share`` of the step's groups has no reward spread (every completion scored alike:
+A = 0 exactly); the others mix rewards 0 and 1. On a share ``clip_share`` of the response
+tokens the behaviour log-probs are off by ``CLIP_OFFSET`` from the policy's (the ratio
+exp(logp - old) is outside the clip range [1 - 0.2, 1 + 0.28], so those tokens are clipped),
+on the rest by at most ``NEAR_OFFSET`` (inside). The offsets are the data (``old_offset``):
+the update reads old = logp.detach() + old_offset, so the clipped tokens stay clipped at any
+weights and no forward is needed to make the data.
 
-``drop_zero_advantage`` is the filtered variant (prime-rl's default): the step's A = 0
-completions are dropped before the update, and the rest is repacked, in order, into microbatches
-of ``micro_batch`` sequences (the last one may be shorter).
+NOTE [ Layouts ]
+``shuffled`` (the default): the step's sequences in a random order before they are cut into
+microbatches, as TRL shuffles its generation batch: a group's completions land in several
+microbatches (and ranks), so a microbatch is rarely all A = 0. ``grouped``: in group order, a
+group never spans two microbatches (``group_size`` divides ``micro_batch``), as a trainer
+that keeps a prompt's completions together lays them out; a microbatch of A = 0 groups is then
+all zero. ``drop_zero_advantage`` is the filtered variant: the step's A = 0 completions are
+dropped before the update and the rest, in order, is cut into the same ``ranks x grad_accum``
+microbatches, as even as can be (DeepSpeed's gradient accumulation is a fixed count of
+micro-steps), so a microbatch holds about half of ``micro_batch`` at ``zero_adv_share`` 0.5.
+Rank r trains microbatches ``r * grad_accum`` to ``(r + 1) * grad_accum - 1``.
 """
 
 from __future__ import annotations
@@ -25,25 +33,38 @@ import torch
 
 from ds_hilore.grpo import group_advantages
 
-__all__ = ["CLIP_OFFSET", "EPSILON_HIGH", "EPSILON_LOW", "NEAR_OFFSET", "GrpoShape",
-           "attach_behaviour", "exposure", "grpo_steps"]
+__all__ = ["CLIP_OFFSET", "EPSILON_HIGH", "EPSILON_LOW", "LAYOUTS", "NEAR_OFFSET", "Shape",
+           "exposure", "global_step", "prediction", "rank_microbatches", "step_lengths",
+           "tokens"]
 
 EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28  # the bench's GRPO clip range (DAPO's clip-higher)
 CLIP_OFFSET = 0.5  # |old - logp| on clipped tokens: ratio e^-0.5 = 0.61 or e^0.5 = 1.65
 NEAR_OFFSET = 0.05  # at most this elsewhere: ratio within [0.951, 1.051]
+LAYOUTS = ("shuffled", "grouped")  # NOTE [ Layouts ]
 
 
 @dataclasses.dataclass(frozen=True)
-class GrpoShape:
-    """What one optimizer step of the bench holds (the flags of the same names)."""
+class Shape:
+    """What one optimizer step holds (the flags of the same names)."""
 
     micro_batch: int = 8
-    seq_len: int = 256
     group_size: int = 8
     grad_accum: int = 2
+    ranks: int = 1
     zero_adv_share: float = 0.5
     clip_share: float = 0.1
+    layout: str = "shuffled"
     drop_zero_advantage: bool = False
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches of a step, every rank's."""
+        return self.ranks * self.grad_accum
+
+    @property
+    def sequences(self) -> int:
+        """Sequences of a step before any is dropped, every rank's."""
+        return self.microbatches * self.micro_batch
 
 
 def _rewards(groups: int, size: int, zero: set[int], g: torch.Generator) -> torch.Tensor:
@@ -61,8 +82,8 @@ def _rewards(groups: int, size: int, zero: set[int], g: torch.Generator) -> torc
 
 
 def _offsets(mask: torch.Tensor, share: float, g: torch.Generator) -> torch.Tensor:
-    """(B, T-1) behaviour offsets: +-CLIP_OFFSET on round(share * response tokens) of them."""
-    near = (torch.rand(mask.shape, generator=g) * 2 - 1) * NEAR_OFFSET  # (B, T-1)
+    """(N, T-1) behaviour offsets: +-CLIP_OFFSET on round(share * response tokens) of them."""
+    near = (torch.rand(mask.shape, generator=g) * 2 - 1) * NEAR_OFFSET  # (N, T-1)
     where = mask.flatten().nonzero().squeeze(1)
     n_clip = round(share * where.numel())
     pick = where[torch.randperm(where.numel(), generator=g)[:n_clip]]
@@ -72,10 +93,11 @@ def _offsets(mask: torch.Tensor, share: float, g: torch.Generator) -> torch.Tens
     return flat.view(mask.shape) * mask
 
 
-def _step(shape: GrpoShape, vocab: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """One step's sequences, unsplit: ids (N, T), mask (N, T-1), advantages, offsets."""
-    n = shape.micro_batch * shape.grad_accum
-    t, groups = shape.seq_len, n // shape.group_size
+def _sequences(shape: Shape, vocab: int, seq_len: int, g: torch.Generator) -> dict:
+    """The step's sequences in group order: ids (N, T), mask (N, T-1), advantages (N,),
+    old_offset (N, T-1), group (N,)."""
+    n, t = shape.sequences, seq_len
+    groups = n // shape.group_size
     zero = set(torch.randperm(groups, generator=g)[:round(shape.zero_adv_share * groups)].tolist())
     rewards = _rewards(groups, shape.group_size, zero, g)  # (N,)
     advantages = group_advantages(rewards, shape.group_size).float()  # (N,), exact 0 in `zero`
@@ -89,41 +111,65 @@ def _step(shape: GrpoShape, vocab: int, g: torch.Generator) -> dict[str, torch.T
             "group": torch.arange(n) // shape.group_size}
 
 
-def grpo_steps(shape: GrpoShape, vocab: int, steps: int, seed: int) -> list[list[dict]]:
-    """``steps`` optimizer steps, each a list of microbatch dicts (CPU tensors): ``input_ids``
-    (B, T) int64, ``mask`` (B, T-1) fp32 (response tokens), ``advantages`` (B,) fp32,
-    ``old_offset`` (B, T-1) fp32 and ``group`` (B,) int64 (the prompt within the step)."""
-    out = []
-    for k in range(steps):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + 100 + k)
-        whole = _step(shape, vocab, g)
-        if shape.drop_zero_advantage:
-            keep = whole["advantages"] != 0
-            whole = {name: v[keep] for name, v in whole.items()}
-        n = whole["input_ids"].shape[0]
-        out.append([{name: v[i:i + shape.micro_batch] for name, v in whole.items()}
-                    for i in range(0, n, shape.micro_batch)])
+def _cuts(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` consecutive ranges over n rows, sizes differing by at most one, larger first."""
+    base, extra = divmod(n, parts)
+    out, begin = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        out.append((begin, begin + size))
+        begin += size
     return out
 
 
-def exposure(micro: dict[str, torch.Tensor]) -> list[float]:
-    """Predicted exposure per sequence, |A_i| * response tokens_i (what ``Scheduler.expect``
-    takes before the forward: on-policy with beta = 0 a sequence's gradient scales with it)."""
+def global_step(shape: Shape, vocab: int, seq_len: int, seed: int, index: int) -> list[dict]:
+    """Step ``index``: every rank's microbatches (``shape.microbatches`` dicts of CPU tensors),
+    laid out as NOTE [ Layouts ] says: ``input_ids`` (B, T) int64, ``mask`` (B, T-1) fp32
+    (response tokens), ``advantages`` (B,) fp32, ``old_offset`` (B, T-1) fp32, ``group`` (B,)
+    int64 (the prompt within the step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 100 + index)
+    whole = _sequences(shape, vocab, seq_len, g)
+    if shape.layout == "shuffled":
+        order = torch.randperm(shape.sequences, generator=g)
+        whole = {name: v[order] for name, v in whole.items()}
+    if shape.drop_zero_advantage:
+        keep = whole["advantages"] != 0
+        whole = {name: v[keep] for name, v in whole.items()}
+        cuts = _cuts(int(whole["input_ids"].shape[0]), shape.microbatches)
+    else:
+        cuts = [(i, i + shape.micro_batch) for i in range(0, shape.sequences, shape.micro_batch)]
+    return [{name: v[a:b] for name, v in whole.items()} for a, b in cuts]
+
+
+def rank_microbatches(step: list[dict], shape: Shape, rank: int) -> list[dict]:
+    """The ``grad_accum`` microbatches of ``step`` (``global_step``) that ``rank`` trains."""
+    return step[rank * shape.grad_accum:(rank + 1) * shape.grad_accum]
+
+
+def step_lengths(lengths: list[int], steps: int, seed: int) -> list[int]:
+    """Sequence length of each of ``steps`` steps, drawn from ``lengths`` (seeded), as rollouts
+    of varying length give (the whole-run mode)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 7)
+    picks = torch.randint(0, len(lengths), (steps,), generator=g).tolist()
+    return [lengths[i] for i in picks]
+
+
+def exposure(micro: dict) -> list[float]:
+    """Predicted exposure per sequence, |A_i| * response tokens_i (what ``expect`` takes before
+    the forward: on-policy with beta = 0 a sequence's gradient scales with it)."""
     from ds_hilore.grpo.exposure import predicted
 
     return predicted(micro["advantages"], micro["mask"])
 
 
-def attach_behaviour(steps: list[list[dict]], logprobs, device) -> list[list[dict]]:
-    """Every microbatch moved to ``device`` with ``old_logp`` = the policy's log-probs at the
-    initial weights (``logprobs(ids)``, no grad) plus ``old_offset``."""
-    out = []
-    for micro_batches in steps:
-        moved = []
-        for micro in micro_batches:
-            m = {k: v.to(device) for k, v in micro.items()}
-            with torch.no_grad():
-                m["old_logp"] = logprobs(m["input_ids"]).float() + m["old_offset"]  # (B, T-1)
-            moved.append(m)
-        out.append(moved)
-    return out
+def prediction(step: list[dict]) -> tuple[float, int | None]:
+    """(the step's predicted exposure summed over every rank's microbatches, how many of them
+    are non-zero; None when none is) -- ``expect``'s step arguments, the same on every rank."""
+    per_micro = [sum(exposure(m)) for m in step]
+    exposed = sum(1 for p in per_micro if p > 0)
+    return float(sum(per_micro)), (exposed or None)
+
+
+def tokens(step: list[dict]) -> int:
+    """Tokens of a step, every rank's (forwarded and backwarded)."""
+    return sum(int(m["input_ids"].numel()) for m in step)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -37,24 +39,55 @@ from typing import Any
 import torch
 
 from ds_hilore._errors import HiLoReError
-from ds_hilore.bench.frontier import make_steps
-from ds_hilore.bench.runs import build_model, close, fresh_peak, lm_of, new_run, step, sync, warm
+from ds_hilore.bench import data, stats
+from ds_hilore.bench.engines import LR, grpo_loss, sync, trainable
+from ds_hilore.bench.methods import METHODS, hilore_block, prepare
+from ds_hilore.bench.models import build_model, lm_of
 
 __all__ = ["check", "main"]
 
 MAX_WARMUP = 40
+MICRO_BATCH, GROUP_SIZE, GRAD_ACCUM = 8, 4, 2
 
 
-def _config(args) -> dict[str, Any]:
-    return {"model": "tiny", "layers": args.layers, "full": False, "dtype": args.dtype,
-            "device": args.device, "lora_r": 16, "codec_backend": args.codec_backend,
-            "seed": 0, "batches": 1, "ds_init": False, "budgets": [args.budget],
-            "seq_len": args.seq_len, "micro_batch": 8, "group_size": 4, "grad_accum": 2,
-            "zero_adv_share": 0.5, "clip_share": 0.1, "drop_zero_advantage": False}
+@dataclasses.dataclass
+class _Copy:
+    """A method switched on in its own copy of the model: the runtime alone, no DeepSpeed
+    (what is checked is HiLoRe's exactness and memory on the device)."""
+
+    model: torch.nn.Module
+    runtime: Any
+    optimizer: torch.optim.Optimizer
 
 
-def _grads(run, micro_batches) -> dict[str, torch.Tensor]:
-    step(run, micro_batches, optimize=False)
+def _steps(base, args, group_size: int = GROUP_SIZE) -> list[list[dict]]:
+    """One optimizer step of GRPO data (``ds_hilore.bench.data``, groups kept together), on
+    the device."""
+    shape = data.Shape(micro_batch=MICRO_BATCH, group_size=group_size, grad_accum=GRAD_ACCUM,
+                       layout="grouped")
+    vocab = lm_of(base).get_output_embeddings().weight.shape[0]
+    step = data.global_step(shape, vocab, args.seq_len, seed=0, index=0)
+    return [[{k: v.to(args.device) for k, v in m.items()} for m in step]]
+
+
+def _step(run: _Copy, micro_batches, optimize: bool = True) -> None:
+    """One optimizer step (accumulated over ``micro_batches``), each forward told its
+    predicted exposure; ``optimize`` False: the gradients are left in ``.grad``."""
+    run.model.zero_grad(set_to_none=True)
+    prediction = data.prediction(micro_batches)
+    for micro in micro_batches:
+        if run.runtime is not None:
+            run.runtime.expect(data.exposure(micro), *prediction)
+        (grpo_loss(run.model, micro, run.model) / len(micro_batches)).backward()
+    if optimize:
+        run.optimizer.step()
+        run.model.zero_grad(set_to_none=True)
+    if run.runtime is not None:
+        run.runtime.end_step()
+
+
+def _grads(run: _Copy, micro_batches) -> dict[str, torch.Tensor]:
+    _step(run, micro_batches, optimize=False)
     return {n: p.grad.detach().clone() for n, p in run.model.named_parameters()
             if p.requires_grad and p.grad is not None}
 
@@ -66,21 +99,31 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @contextlib.contextmanager
-def _opened(method: str, base, config, budget: float | None = None):
-    """A run of ``method``, closed on the way out; one that cannot run here is an error."""
-    run = new_run(method, budget, base, config)
-    if run.skipped:
-        raise RuntimeError(f"{method} cannot run: {run.skipped}")
+def _opened(method: str, base, args, budget: float | None = None, **block):
+    """``method`` on a copy of ``base`` (``block``: more keys of its "hilore" block), closed
+    on the way out."""
+    spec = METHODS[method]
+    frozen = {id(p): p for p in base.parameters() if not p.requires_grad}
+    model = copy.deepcopy(base, memo=frozen)  # LoRA: the frozen base weights are shared
+    runtime = None
+    if spec.engine == "hilore":
+        from ds_hilore import attach
+
+        runtime = attach(model, {**hilore_block(spec, budget=budget, tolerance=None,
+                                                codec_backend=args.codec_backend), **block})
+    else:
+        prepare(spec, lm_of(model))
     try:
-        yield run
+        yield _Copy(model, runtime, torch.optim.AdamW(trainable(model), lr=LR))
     finally:
-        close(run)
+        if runtime is not None:
+            runtime.detach()
 
 
-def _exactness(base, config, steps) -> dict[str, Any]:
+def _exactness(base, args, steps) -> dict[str, Any]:
     grads = {}
     for method in ("gc", "hilore_all_h", "hilore_all_r"):
-        with _opened(method, base, config) as run:
+        with _opened(method, base, args) as run:
             grads[method] = _grads(run, steps[0])
             if method == "gc":
                 grads["gc_again"] = _grads(run, steps[0])
@@ -98,19 +141,19 @@ ELISION = (("whole: a microbatch all zero", "whole", True, "one_group", True),
            ("true: a microbatch all zero, its backward run", True, False, "one_group", False))
 
 
-def _elision(base, config, steps, noise: float) -> dict[str, Any]:
+def _elision(base, args, steps, noise: float) -> dict[str, Any]:
     """H everywhere under each setting of ``ELISION`` against GC on the same step."""
-    data = {"mixed": steps[0],  # groups of half a microbatch: each one keeps a group
-            "one_group": make_steps(base, dict(config, group_size=config["micro_batch"]))[0]}
+    steps_of = {"mixed": steps[0],  # groups of half a microbatch
+                "one_group": _steps(base, args, group_size=MICRO_BATCH)[0]}
     refs, out = {}, {}
     for what, setting, skip, name, counted in ELISION:
-        micro = data[name]
+        micro = steps_of[name]
         if name not in refs:
-            with _opened("gc", base, config) as gc:
+            with _opened("gc", base, args) as gc:
                 refs[name] = _grads(gc, micro)
         try:
-            with _opened("hilore_all_h", base, dict(config, elide_zero_rows=setting)) as run:
-                runtime = run.context.runtime
+            with _opened("hilore_all_h", base, args, elide_zero_rows=setting) as run:
+                runtime = run.runtime
                 runtime.zero_backward_skip = skip
                 _grads(run, micro)  # the discovery step
                 diff = _max_diff(_grads(run, micro), refs[name])
@@ -125,7 +168,9 @@ def _elision(base, config, steps, noise: float) -> dict[str, Any]:
     return out
 
 
-def _peaks(run, micro_batches, device: str) -> dict[str, int]:
+def _peaks(run: _Copy, micro_batches, device: str) -> tuple[dict[str, int], int | None]:
+    """(the peak of one metered step: allocated, and on CUDA reserved; what was cached
+    before it, CUDA only)."""
     from ds_hilore.runtime.memory import PeakMeter
 
     run.model.zero_grad(set_to_none=True)
@@ -136,7 +181,7 @@ def _peaks(run, micro_batches, device: str) -> dict[str, int]:
         torch.cuda.empty_cache()  # the step's own reserve (module docstring)
         torch.cuda.reset_peak_memory_stats()
     with PeakMeter(device) as meter:
-        step(run, micro_batches)
+        _step(run, micro_batches)
         sync(device)
     out = {"allocated": int(meter.peak_bytes)}
     if device == "cuda":
@@ -144,18 +189,29 @@ def _peaks(run, micro_batches, device: str) -> dict[str, int]:
     return out, cached
 
 
-def _memory(base, config, steps, budget: float) -> dict[str, Any]:
-    device = config["device"]
-    with _opened("hilore", base, config, budget) as run:
-        fresh_peak(device)  # profiled under no earlier peak of the checks above
-        for _ in range(MAX_WARMUP):
-            step(run, steps[0])
-            if warm(run):
-                break
+def _warm_up(run: _Copy, micro_batches) -> None:
+    """Steps until two in a row show no warm-up work in HiLoRe's stats (``stats.step_work``)."""
+    before, steady = None, 0
+    validates = run.runtime.config.plan_validation_microbatches > 0
+    for _ in range(MAX_WARMUP):
+        _step(run, micro_batches)
+        after = run.runtime.stats
+        steady = 0 if stats.step_work(before, after, validates) else steady + 1
+        before = after
+        if steady >= 2:
+            return
+
+
+def _memory(base, args, steps, budget: float) -> dict[str, Any]:
+    device = args.device
+    with _opened("hilore", base, args, budget) as run:
+        if device == "cuda":  # profiled under no earlier peak of the checks above
+            torch.cuda.reset_peak_memory_stats()
+        _warm_up(run, steps[0])
         mine, cached = _peaks(run, steps[0], device)
-        mix = dict(run.context.runtime.stats.get("actions", {}))
-    with _opened("gc", base, config) as gc:  # second: the process then holds the same
-        step(gc, steps[0])
+        mix = dict(run.runtime.stats.get("actions", {}))
+    with _opened("gc", base, args) as gc:  # second: the process then holds the same
+        _step(gc, steps[0])
         gc_peaks, gc_cached = _peaks(gc, steps[0], device)
     out = {"budget": budget, "gc": gc_peaks, "hilore": mine, "plan_mix": mix}
     if cached is not None:
@@ -174,16 +230,14 @@ def _say(message: str) -> None:
 
 def check(args) -> dict[str, Any]:
     """Both checks (see the module docstring); ``ok`` says whether every one passed."""
-    config = _config(args)
-    base = build_model(config)
-    config["layers_n"] = len(lm_of(base).get_decoder().layers)
-    steps = make_steps(base, config)
+    base = build_model("tiny", args.dtype, args.device, seed=0, layers=args.layers, lora_r=16)
+    steps = _steps(base, args)
     _say("exactness: GC twice, H and R everywhere")
-    exact = _exactness(base, config, steps)
+    exact = _exactness(base, args, steps)
     _say("elision: " + ", ".join(what for what, *_ in ELISION))
-    exact["elision"] = _elision(base, config, steps, exact["gc_vs_gc_max_abs"])
+    exact["elision"] = _elision(base, args, steps, exact["gc_vs_gc_max_abs"])
     _say(f"memory: HiLoRe at {args.budget:g} after its warm-up, then GC")
-    memory = _memory(base, config, steps, args.budget)
+    memory = _memory(base, args, steps, args.budget)
     ok = (all(exact[m]["ok"] for m in ("hilore_all_h", "hilore_all_r"))
           and all(e["ok"] for e in exact["elision"].values() if e["check"])
           and all(v for k, v in memory.items() if k.endswith("_ok")))

@@ -1,16 +1,22 @@
 """The registry of ``hilore bench``: every way of keeping activations for the backward.
 
-Adding a method is one entry in ``METHODS``: a ``Method`` whose ``setup(model, config)`` switches
-it on for one model copy and returns a ``Context`` (the HiLoRe runtime, if any, and a per-step
-context manager), and whose ``teardown(model, context)`` switches it off again.
-``skip_reason(config)`` says why a method cannot run in this configuration (``None``: it can).
+A method is data: one ``Method`` entry in ``METHODS``. ``engine`` says how its DeepSpeed
+engine is made -- ``"deepspeed"``: ``deepspeed.initialize`` on a model whose checkpointing
+``checkpointing`` switched on beforehand (``"hf"``: transformers' non-reentrant gradient
+checkpointing, ``"sac"``: the same saving matmul outputs, ``"deepspeed"``:
+``deepspeed.checkpointing.checkpoint`` as every layer's checkpoint function); ``"hilore"``:
+``ds_hilore.initialize`` with the ``"hilore"`` block ``hilore_block`` writes (``hilore``: the
+method's own keys over the bench's base block). ``budgeted`` methods run once per
+``--budgets`` value. ``allocator``: HiLoRe's scheduler decides, so the method warms up
+(profiling, calibration, leave-one-out) before it is timed.
 
-``static`` is HiLoRe's allocator made exposure-blind in the simplest honest way: a ``Scheduler``
-subclass (``ExposureBlindScheduler``) whose risk pricing treats every sequence as equally exposed
-(the share of a packed unit's risk is its share of sequences, never the measured per-token
-exposure) and which ignores predicted exposure (``expect``) when splitting rows. Everything else
--- profiling, budget, knapsack, calibration, leave-one-out, the exact elision of A = 0 rows --
-is HiLoRe's.
+NOTE [ static: the allocator without exposure ]
+``static`` is HiLoRe's allocator made exposure-blind in the simplest honest way: a
+``Scheduler`` subclass whose risk pricing treats every sequence as equally exposed (the share
+of a packed unit's risk is its share of sequences, never the measured per-token exposure) and
+which ignores predicted exposure (``expect``) when splitting rows. Everything else --
+profiling, budget, knapsack, calibration, leave-one-out, the exact elision of A = 0 rows -- is
+HiLoRe's.
 """
 
 from __future__ import annotations
@@ -18,69 +24,93 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ds_hilore.bench.demo import _hf_checkpointing_switches
 
-__all__ = ["METHODS", "Context", "ExposureBlindScheduler", "Method", "budgeted"]
+__all__ = ["METHODS", "Method", "after_initialize", "hilore_block", "prepare", "skip_reason",
+           "step_context"]
 
 
-@dataclasses.dataclass
-class Context:
-    """What ``Method.setup`` returns: the runtime (HiLoRe methods) and a per-step context."""
-
-    runtime: Any = None
-    step: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    note: str | None = None  # e.g. the k block_h chose
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
+@dataclasses.dataclass(frozen=True)
 class Method:
-    """One method. ``budgeted``: one run per memory budget (``config["budget"]`` is set)."""
+    """One way of keeping activations (see the module docstring)."""
 
-    name = ""
-    budgeted = False
-    exact = False  # the gradient equals no checkpointing's (up to op order)
-    policy = False  # HiLoRe's scheduler decides: warm up through profiling/calibration/LOO
-
-    def skip_reason(self, config: dict[str, Any]) -> str | None:
-        return None
-
-    def setup(self, model: torch.nn.Module, config: dict[str, Any]) -> Context:
-        return Context()
-
-    def teardown(self, model: torch.nn.Module, context: Context) -> None:
-        if context.runtime is not None:
-            context.runtime.detach()
+    name: str
+    summary: str
+    engine: str = "deepspeed"  # "deepspeed" | "hilore"
+    checkpointing: str | None = None  # "hf" | "sac" | "deepspeed", switched on before the engine
+    hilore: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    budgeted: bool = False  # one run per memory budget
+    exact: bool = False  # the gradient equals no checkpointing's (up to op order)
+    allocator: bool = False  # HiLoRe's scheduler decides: it warms up first
+    blind: bool = False  # the exposure-blind scheduler (NOTE [ static: ... ])
+    offload: bool = False  # saved activations to host memory around each micro-step
+    searched: bool = False  # block_h: the k of its plan is found by measuring
+    reentrant: bool = False  # its backward writes .grad itself: no autograd.grad of it
 
 
-class NoGC(Method):
-    name, exact = "nogc", True
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("nogc", "no checkpointing: every activation kept (the speed limit)", exact=True),
+    Method("gc", "transformers' gradient checkpointing, non-reentrant", checkpointing="hf",
+           exact=True),
+    Method("ds_ac", "deepspeed.checkpointing.checkpoint on every decoder layer",
+           checkpointing="deepspeed", exact=True, reentrant=True),
+    Method("sac", "torch selective checkpointing: matmul outputs saved, the rest recomputed",
+           checkpointing="sac", exact=True),
+    Method("offload", "every activation to host memory (save_on_cpu), none recomputed",
+           offload=True, exact=True),
+    Method("block_h", "HiLoRe forced: the last k layers stored whole, k as large as the budget "
+           "allows (found by measuring), the rest recomputed", engine="hilore", budgeted=True,
+           exact=True, searched=True),
+    Method("all_l", "HiLoRe forced: every unit packed (int8)", engine="hilore",
+           hilore={"force_plan": "L"}),
+    Method("static", "HiLoRe's allocator, exposure-blind", engine="hilore", budgeted=True,
+           allocator=True, blind=True),
+    Method("hr", "HiLoRe's allocator with H and R only (nothing packed)", engine="hilore",
+           hilore={"low_precision": "none"}, budgeted=True, allocator=True),
+    Method("hilore", "HiLoRe: H, L or R per unit and microbatch, by exposure", engine="hilore",
+           budgeted=True, allocator=True),
+    # the machinery's own cost: forced all-R (against gc) and all-H (against nogc)
+    Method("hilore_all_r", "HiLoRe forced all R (its machinery's cost against gc)",
+           engine="hilore", hilore={"force_plan": "R"}, exact=True),
+    Method("hilore_all_h", "HiLoRe forced all H (its machinery's cost against nogc)",
+           engine="hilore", hilore={"force_plan": "H"}, exact=True),
+)}
 
 
-class HFCheckpointing(Method):
-    """transformers' non-reentrant checkpointing, with ``kwargs`` for ``torch.utils.checkpoint``."""
+def skip_reason(method: Method, device: str) -> str | None:
+    """Why ``method`` cannot run on ``device`` ("cpu" | "cuda"); None: it can."""
+    if method.offload and device != "cuda":
+        return "save_on_cpu offloads device activations to host; on a CPU device it is meaningless"
+    return None
 
-    name, exact = "gc", True
 
-    def kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
-        return {"use_reentrant": False}
-
-    def setup(self, model, config):
-        enable, _ = _hf_checkpointing_switches(_base(model))
-        enable(self.kwargs(config))
-        return Context()
-
-    def teardown(self, model, context):
-        _, disable = _hf_checkpointing_switches(_base(model))
-        disable()
+def hilore_block(method: Method, *, budget: float | None, tolerance: float | None,
+                 codec_backend: str, elide_zero_rows: Any = "auto", block_k: int = 0,
+                 layers: int = 0) -> dict[str, Any]:
+    """The ds_config's ``"hilore"`` block of a HiLoRe method's run: the codec backend, the
+    memory budget (budgeted methods), the error tolerance, ``elide_zero_rows`` (unless
+    "auto"), then the method's own keys; ``block_h``: the last ``block_k`` of ``layers``
+    layers H, the rest R."""
+    block: dict[str, Any] = {"codec_backend": codec_backend}
+    if elide_zero_rows != "auto":
+        block["elide_zero_rows"] = elide_zero_rows
+    if method.budgeted and budget is not None:
+        block["memory_budget"] = float(budget)
+    if tolerance is not None:
+        block["grad_error_tolerance"] = float(tolerance)
+    block.update(method.hilore)
+    if method.searched:
+        plan = {"*": "R"}
+        for i in range(layers - block_k, layers):
+            plan[f"model.layers.{i}.*"] = "H"
+        block.pop("memory_budget", None)
+        block["force_plan"] = plan
+    return block
 
 
 _SAC_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
@@ -88,169 +118,46 @@ _SAC_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
             "_scaled_dot_product_cudnn_attention")
 
 
-class SelectiveAC(HFCheckpointing):
-    """torch SAC: matmul (and fused attention) outputs saved, everything else recomputed."""
+def _sac_kwargs() -> dict[str, Any]:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    name = "sac"
-
-    def kwargs(self, config):
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        aten = torch.ops.aten
-        ops = [getattr(aten, n).default for n in _SAC_OPS if hasattr(aten, n)]
-        return {"use_reentrant": False,
-                "context_fn": functools.partial(create_selective_checkpoint_contexts, ops)}
+    aten = torch.ops.aten
+    ops = [getattr(aten, n).default for n in _SAC_OPS if hasattr(aten, n)]
+    return {"use_reentrant": False,
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, ops)}
 
 
-class DeepSpeedAC(Method):
-    """``deepspeed.checkpointing.checkpoint`` as every decoder layer's checkpoint function."""
-
-    name, exact = "ds_ac", True
-
-    def skip_reason(self, config):
-        if not torch.distributed.is_available():
-            return "deepspeed.checkpointing needs torch.distributed, which this torch lacks"
+def prepare(method: Method, lm: torch.nn.Module) -> None:
+    """Switch ``method``'s checkpointing on in the transformers model ``lm`` (before its
+    engine is made)."""
+    if method.checkpointing in ("hf", "sac"):
+        enable, _ = _hf_checkpointing_switches(lm)
+        enable(_sac_kwargs() if method.checkpointing == "sac" else {"use_reentrant": False})
+    elif method.checkpointing == "deepspeed":
         import deepspeed
 
-        if not deepspeed.comm.is_initialized() and not config.get("ds_init"):
-            return ("deepspeed.checkpointing needs DeepSpeed's communication backend "
-                    "(deepspeed.init_distributed), which is not up; pass --ds-init to start a "
-                    "one-rank group (on CPU DeepSpeed first builds its shm comm op: minutes)")
-        return None
-
-    def setup(self, model, config):
-        import deepspeed
-
-        if not deepspeed.comm.is_initialized():  # a one-rank group: DS's checkpointing asks for it
-            _one_rank_group(config["device"])
         dsc = deepspeed.checkpointing
-
         if not dsc.is_configured():
             dsc.configure(None, partition_activations=False, contiguous_checkpointing=False,
                           checkpoint_in_cpu=False, synchronize=False, profile=False)
-        lm = _base(model)
         lm.enable_input_require_grads()  # reentrant-style: a layer input must require grad
         lm._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=dsc.checkpoint)
-        return Context()
-
-    def teardown(self, model, context):
-        lm = _base(model)
-        lm.gradient_checkpointing_disable()
-        if getattr(lm, "_require_grads_hooks", None):
-            lm.disable_input_require_grads()
 
 
-STARTED_GROUP: list[bool] = []  # the bench started a process group (ended by end_group)
+def after_initialize(method: Method, engine) -> None:
+    """What a method changes in its engine once made: ``static``'s exposure-blind scheduler."""
+    runtime = engine.hilore
+    if method.blind and runtime is not None and runtime.policy is not None:
+        offload = runtime.policy.passes.zero3_offload  # what ds_hilore.initialize gave it
+        runtime.policy = ExposureBlindScheduler(runtime)
+        runtime.policy.passes.zero3_offload = offload
 
 
-def _one_rank_group(device: str) -> None:
-    """``deepspeed.init_distributed`` for this process alone (gloo on CPU, nccl on CUDA), with
-    a free local port; the environment is restored afterwards."""
-    import os
-    import socket
-
-    import deepspeed
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: v for k, v in env.items() if saved[k] is None})
-    try:
-        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo",
-                                   auto_mpi_discovery=False, verbose=False)
-        STARTED_GROUP.append(True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-
-
-def end_group() -> None:
-    """Ends the process group ``ds_ac`` started, if it started one."""
-    if STARTED_GROUP:
-        STARTED_GROUP.clear()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-class Offload(Method):
-    """Every saved activation offloaded to host memory (``save_on_cpu``), none recomputed."""
-
-    name, exact = "offload", True
-
-    def skip_reason(self, config):
-        if config["device"] != "cuda":
-            return "save_on_cpu offloads device activations to host; on a CPU device it is meaningless"
-        return None
-
-    def setup(self, model, config):
-        return Context(step=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
-
-
-def _base_block(config: dict[str, Any]) -> dict[str, Any]:
-    """What every HiLoRe run's block carries: the codec backend, and --elide-zero-rows."""
-    block = {"codec_backend": config["codec_backend"]}
-    if config.get("elide_zero_rows", "auto") != "auto":
-        block["elide_zero_rows"] = config["elide_zero_rows"]
-    return block
-
-
-class HiLoRe(Method):
-    """HiLoRe (``ds_hilore.attach``) with ``overrides`` on top of the bench's base block."""
-
-    def __init__(self, name: str, overrides: dict[str, Any] | None = None, budgeted: bool = True,
-                 exact: bool = False, policy: bool = True):
-        self.name, self.overrides = name, dict(overrides or {})
-        self.budgeted, self.exact, self.policy = budgeted, exact, policy
-
-    def hilore_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        block = _base_block(config)
-        if self.budgeted:
-            block["memory_budget"] = float(config["budget"])
-        if config.get("grad_error_tolerance") is not None:
-            block["grad_error_tolerance"] = float(config["grad_error_tolerance"])
-        block.update(self.overrides)
-        return block
-
-    def setup(self, model, config):
-        from ds_hilore import attach
-
-        return Context(runtime=attach(model, self.hilore_config(config)))
-
-
-class BlockH(HiLoRe):
-    """The last k decoder layers kept whole, the rest recomputed; k from ``config["block_k"]``
-    (the bench finds the largest k whose measured peak fits the budget)."""
-
-    def __init__(self):
-        super().__init__("block_h", budgeted=True, exact=True, policy=False)
-
-    def hilore_config(self, config):
-        k, n = int(config.get("block_k", 0)), int(config["layers_n"])
-        plan = {"*": "R"}
-        for i in range(n - k, n):
-            plan[f"model.layers.{i}.*"] = "H"
-        return dict(_base_block(config), force_plan=plan)
-
-    def setup(self, model, config):
-        context = super().setup(model, config)
-        context.note = f"k={int(config.get('block_k', 0))}"
-        return context
-
-
-class Static(HiLoRe):
-    def __init__(self):
-        super().__init__("static")
-
-    def setup(self, model, config):
-        context = super().setup(model, config)
-        runtime = context.runtime
-        if runtime.policy is not None:
-            runtime.policy = ExposureBlindScheduler(runtime)
-        return context
+def step_context(method: Method) -> contextlib.AbstractContextManager:
+    """The context each micro-step of ``method`` runs in."""
+    if method.offload:
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return contextlib.nullcontext()
 
 
 def _exposure_blind_scheduler():
@@ -273,26 +180,6 @@ def _exposure_blind_scheduler():
     return _ExposureBlind
 
 
-def ExposureBlindScheduler(runtime):
+def ExposureBlindScheduler(runtime):  # noqa: N802 -- a class, made when first needed
+    """The exposure-blind scheduler of ``runtime`` (NOTE [ static: ... ])."""
     return _exposure_blind_scheduler()(runtime)
-
-
-METHODS: dict[str, Method] = {m.name: m for m in (
-    NoGC(),
-    HFCheckpointing(),
-    DeepSpeedAC(),
-    SelectiveAC(),
-    Offload(),
-    BlockH(),
-    HiLoRe("all_l", {"force_plan": "L"}, policy=False),
-    Static(),
-    HiLoRe("hr", {"low_precision": "none"}),
-    HiLoRe("hilore"),
-    # runtime efficiency of HiLoRe's machinery: forced all-R (vs gc) and all-H (vs nogc)
-    HiLoRe("hilore_all_r", {"force_plan": "R"}, budgeted=False, exact=True, policy=False),
-    HiLoRe("hilore_all_h", {"force_plan": "H"}, budgeted=False, exact=True, policy=False),
-)}
-
-
-def budgeted(name: str) -> bool:
-    return METHODS[name].budgeted

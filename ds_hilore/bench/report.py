@@ -1,6 +1,7 @@
 """Reading a ``hilore bench`` report: the table (with each run's paired speed against GC), the
-frontier plot and its paired panel, min-max overlaps, the runtime's efficiency lines, and
-``--report`` (a saved report printed again; several reports side by side: ``across_runs``).
+whole run's accounting (``run_text``), the plot (peak memory against speed, and each run's
+paired speed against GC), and ``--report`` (a saved report printed again; several reports side
+by side: ``across_runs``).
 
 NOTE [ Verdicts across runs ]
 One run's interval is over its rounds: the load of the machine from round to round. It does not
@@ -19,10 +20,12 @@ import json
 import sys
 
 from ds_hilore.bench import paired
+from ds_hilore.bench.summary import efficiency
 from ds_hilore.bench.targets import (default_tolerance, label, samples, targets, targets_text,
                                     timed)
 
-__all__ = ["BenchReportError", "across_runs", "efficiency", "overlaps", "plot", "show", "table"]
+__all__ = ["BenchReportError", "across_runs", "draw", "plot", "plot_run", "run_text", "show", "table",
+           "text"]
 
 MiB = 1 << 20
 
@@ -38,29 +41,6 @@ _ELISION_LINES = {
     "whole": "--elide-zero-rows whole: HiLoRe runs elided only microbatches whose every "
              "sequence has "
              "zero loss coefficients, their layers' backward skipped"}
-
-
-def overlaps(report) -> list[tuple[str, str]]:
-    def label(r):
-        return r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}"
-
-    timed = [r for r in report["runs"] if r.get("tokens_per_s") and not r.get("measured_once")]
-    out = []
-    for i, a in enumerate(timed):
-        for b in timed[i + 1:]:
-            ta, tb = a["tokens_per_s"], b["tokens_per_s"]
-            if ta["min"] <= tb["max"] and tb["min"] <= ta["max"]:
-                out.append((label(a), label(b)))
-    return out
-
-
-def efficiency(report) -> dict[str, float]:
-    """HiLoRe's machinery alone: forced all-R vs gc, forced all-H vs nogc (throughput ratios)."""
-    med = {(r["method"], r["budget"]): r["tokens_per_s"]["median"]
-           for r in report["runs"] if r.get("tokens_per_s")}
-    return {f"{forced}_vs_{ref}": med[(forced, None)] / med[(ref, None)]
-            for forced, ref in (("hilore_all_r", "gc"), ("hilore_all_h", "nogc"))
-            if (forced, None) in med and (ref, None) in med}
 
 
 def _vs_gc(row) -> str:
@@ -94,109 +74,175 @@ def _stop_line(report) -> str | None:
     return f"{rounds} paired rounds ({why}){left}"
 
 
-def table(report) -> str:
-    gc_peak = report["gc_peak_bytes"]
-    head = (f"{'method':<14} {'budget':>6} | {'tok/s med':>10} {'min':>9} {'max':>9} | "
-            f"{'vs GC paired [95% CI]':>23} | {'peak MiB':>8} {'x GC':>5} {'act MiB':>8} {'fits':>4} | "
-            f"{'step err':>9} {'mb err':>9} | {'gap':>6} {'cpu s':>6} {'recomp GF':>9} | mix")
-    lines = [head, "-" * len(head)]
-    for r in report["runs"]:
-        budget = "-" if r["budget"] is None else f"{r['budget']:g}"
-        if r.get("skipped"):
-            lines.append(f"{r['method']:<14} {budget:>6} | skipped: {r['skipped']}")
-            continue
-        t = r["tokens_per_s"]
-        nan = {"mean": float("nan"), "max": float("nan")}
-        ge, gm = r["grad_err"] or nan, r.get("grad_err_microbatch") or nan
-        fits = "-" if r["within_budget"] is None else ("yes" if r["within_budget"] else "NO")
-        gap = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
-        rf = "-" if r["recomputed_flops"] is None else f"{r['recomputed_flops'] / 1e9:.2f}"
-        mix = "".join(f"{a}{n}" for a, n in (r["plan_mix"] or {}).items()) or "-"
-        if (r.get("held_bytes") or {}).get("L"):
-            mix += f" L {r['held_bytes']['L'] / MiB:.1f} MiB packed"
-        if r.get("note"):
-            mix += f" ({r['note']})"
-        if r.get("measured_once"):
-            mix += " (same run as first budget)"
-        if r.get("warmed") is False:
-            mix += " (warm-up stopped at its cap, still planning)"
-        lines.append(
-            f"{r['method']:<14} {budget:>6} | {t['median']:>10.1f} {t['min']:>9.1f} {t['max']:>9.1f} | "
-            f"{_vs_gc(r):>23} | {r['peak_bytes'] / MiB:>8.1f} {r['peak_bytes'] / gc_peak:>5.2f} "
-            f"{r['activation_peak_bytes'] / MiB:>8.2f} {fits:>4} | {ge['mean']:>9.2e} {gm['mean']:>9.2e} | "
-            f"{gap:>6} {r['cpu_s']['median']:>6.2f} {rf:>9} | {mix}")
-    lines.append(f"GC peak {gc_peak / MiB:.1f} MiB (whole process); HiLoRe profiling + calibration "
-                 f"+ leave-one-out (not in the timed steps): {report['profile_s']:.2f} s")
-    tolerance = report.get("config", {}).get("grad_error_tolerance")
+_LEGEND = (
+    "tok/s: tokens per second of the whole step, every rank's tokens (fwd + loss + bwd per "
+    "microbatch, the optimizer step), the step's time the slowest rank's; vs GC: median over "
+    "rounds of t_gc / t in the same round, 95 % interval of the signed-rank test (none below 6 "
+    "rounds); peak: the largest rank's, whole process, act: above the step's start; fits: peak "
+    "<= budget x GC peak; step err: ||g - g_nogc|| / ||g_nogc|| of the step's gradient summed "
+    "over ranks, mb err: per microbatch; gap: (t_gc - t) / (t_gc - t_nogc) of medians; recomp "
+    "GF: a step's fwd+bwd GFLOPs above nogc's, microbatch by microbatch, every rank's "
+    "(FlopCounterMode; one that runs fewer counts 0).")
+
+
+def _mix(r) -> str:
+    mix = "".join(f"{a}{n}" for a, n in (r.get("plan_mix") or {}).items()) or "-"
+    if (r.get("held_bytes") or {}).get("L"):
+        mix += f" L {r['held_bytes']['L'] / MiB:.1f} MiB packed"
+    if r.get("note"):
+        mix += f" ({r['note']})"
+    if r.get("warmed") is False:
+        mix += " (warm-up stopped at its cap, still planning)"
+    return mix
+
+
+def _err(errors) -> str:
+    return "-" if not errors else f"{errors['mean']:.2e}"
+
+
+def _row_line(r, gc_peak: int) -> str:
+    budget = "-" if r["budget"] is None else f"{r['budget']:g}"
+    if r.get("skipped"):
+        return f"{r['method']:<14} {budget:>6} | skipped: {r['skipped']}"
+    if not r.get("tokens_per_s") or r.get("peak_bytes") is None:
+        return f"{r['method']:<14} {budget:>6} | not measured (the bench stopped before)"
+    t = r["tokens_per_s"]
+    ge, gm = (_err(r.get(k)) for k in ("grad_err", "grad_err_microbatch"))
+    fits = "-" if r["within_budget"] is None else ("yes" if r["within_budget"] else "NO")
+    gap = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
+    rf = "-" if r.get("recomputed_flops") is None else f"{r['recomputed_flops'] / 1e9:.2f}"
+    return (f"{r['method']:<14} {budget:>6} | {t['median']:>10.1f} {t['min']:>9.1f} "
+            f"{t['max']:>9.1f} | {_vs_gc(r):>23} | {r['peak_bytes'] / MiB:>8.1f} "
+            f"{r['peak_bytes'] / gc_peak:>5.2f} {r['activation_peak_bytes'] / MiB:>8.2f} "
+            f"{fits:>4} | {ge:>9} {gm:>9} | {gap:>6} "
+            f"{r['cpu_s']['median']:>6.2f} {rf:>9} | {_mix(r)}")
+
+
+def _setup_line(report) -> str | None:
+    cfg = report.get("config", {})
+    if "ranks" not in cfg:  # reports written before the bench ran DeepSpeed engines
+        return None
+    return (f"{cfg['ranks']} rank(s), DeepSpeed ZeRO-{cfg['zero_stage']}, {cfg['device']}, "
+            f"{cfg['dtype']}; data laid out {cfg['layout']}"
+            + (", A = 0 completions dropped" if cfg.get("drop_zero_advantage") else "")
+            + ("; exposure predicted before each forward (--predict)" if cfg.get("predict")
+               else "; no exposure predicted (a plain actor update)"))
+
+
+def _notes(report) -> list[str]:
+    """The lines under the table: setup, error budget, elision, codec fallbacks, regime,
+    rounds, the machinery's efficiency."""
+    cfg = report.get("config", {})
+    lines = [_setup_line(report)]
+    tolerance = cfg.get("grad_error_tolerance")
     if tolerance is not None:  # reports written before the flag do not say
         lines.append(f"HiLoRe's error budget (grad_error_tolerance): {tolerance:g} of the step's "
                      "gradient")
-    elision = report.get("config", {}).get("elide_zero_rows", "auto")
-    if elision != "auto":
-        lines.append(_ELISION_LINES[elision])
+    if cfg.get("elide_zero_rows", "auto") != "auto":
+        lines.append(_ELISION_LINES[cfg["elide_zero_rows"]])
     failed = report.get("host", {}).get("codec_compile_failures")
     if failed:
         lines.append("codec kernels whose torch.compile failed, run eager (L's figures are the "
                      "eager codec's): " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
-    for line in (_regime_line(report), _stop_line(report)):
-        if line:
-            lines.append(line)
+    lines += [_regime_line(report), _stop_line(report)]
     for key, ratio in efficiency(report).items():
         forced, ref = key.split("_vs_")
         lines.append(f"runtime efficiency: {forced} runs at {ratio:.2f}x the throughput of {ref}")
-    verdicts = targets_text(targets(report))
+    return [line for line in lines if line]
+
+
+def table(report) -> str:
+    """The paired mode's table, the lines under it, HiLoRe's targets and the legend."""
+    gc_peak = report["gc_peak_bytes"]
+    head = (f"{'method':<14} {'budget':>6} | {'tok/s med':>10} {'min':>9} {'max':>9} | "
+            f"{'vs GC paired [95% CI]':>23} | {'peak MiB':>8} {'x GC':>5} {'act MiB':>8} {'fits':>4} | "
+            f"{'step err':>9} {'mb err':>9} | {'gap':>6} {'cpu s':>6} {'recomp GF':>9} | mix")
+    lines = [head, "-" * len(head)] + [_row_line(r, gc_peak) for r in report["runs"]]
+    if gc_peak:
+        lines.append(f"GC peak {gc_peak / MiB:.1f} MiB (whole process); HiLoRe profiling + "
+                     f"calibration + leave-one-out (not in the timed steps): "
+                     f"{report['profile_s']:.2f} s")
+    lines += _notes(report)
+    verdicts = targets_text(targets(report)) if gc_peak else ""
     if verdicts:
         lines.append(verdicts)
-    lines.append("tok/s: tokens per second of the whole step (fwd + loss + bwd per microbatch, "
-                 "AdamW); vs GC: median over rounds of t_gc / t in the same round, 95 % interval "
-                 "of the signed-rank test (none below 6 rounds); peak: whole process, act: above "
-                 "the step's start; fits: peak <= budget x GC peak; step err: ||g - g_nogc|| / "
-                 "||g_nogc|| of the step's accumulated gradient, mb err: per microbatch; gap: "
-                 "(t_gc - t) / (t_gc - t_nogc) of medians; recomp GF: a step's fwd+bwd GFLOPs "
-                 "above nogc's, microbatch by microbatch (FlopCounterMode; one that runs fewer "
-                 "counts 0).")
+    lines.append(_LEGEND)
     return "\n".join(lines)
+
+
+def run_text(report) -> str:
+    """The whole run (``--run-steps``): per run its update time against GC's and, for HiLoRe's
+    allocators, the warm-up's steps and seconds and the steady paired ratio
+    (NOTE [ The whole run's accounting ] in summary.py)."""
+    run, cfg = report["run"], report["config"]
+    steps = run["steps"]
+    lines = [f"whole run: {len(steps)} of {cfg['run_steps']} optimizer steps of every run, from "
+             f"fresh engines, lengths {sorted(set(run['lengths']))} (each step the slowest "
+             "rank's time)", _setup_line(report) or ""]
+    for name, r in run["runs"].items():
+        ratio = "-" if r["time_over_gc"] is None else f"{r['time_over_gc']:.3f}x GC's"
+        line = f"  {name:<16} update {r['update_s']:8.2f} s = {ratio}"
+        if "warm_up_s" in r:
+            steady = r["steady"]
+            line += (f"; warm-up {len(r['warm_up_steps'])} step(s), {r['warm_up_s']:+.2f} s "
+                     f"against GC on the same steps; steady from step {r['steady_from']}: "
+                     + ("-" if steady["median"] is None else
+                        f"x{steady['median']:.3f} vs GC" + (
+                            "" if steady["low"] is None else
+                            f" (95 % CI {steady['low']:.3f}-{steady['high']:.3f}, "
+                            f"{steady['verdict']})")))
+        lines.append(line)
+    lines.append("update: the sum of the run's step times; x GC's: its update time over GC's; "
+                 "warm-up: the steps whose HiLoRe stats show profiling, planning, calibration or "
+                 "leave-one-out, and the sum over them of the run's time minus GC's; steady: "
+                 "median over the later steps of t_gc / t, with the signed-rank interval.")
+    return "\n".join(line for line in lines if line)
 
 
 _STYLE = ["C0o", "C1s", "C2D", "C3^", "C4v", "C5<", "C6>", "C7p", "C8P", "C9X", "k*", "mh", "yH"]
 
 
+def _style(methods: list[str], method: str) -> tuple[str, str]:
+    style = _STYLE[methods.index(method) % len(_STYLE)]
+    return style[:-1], style[-1]
+
+
+def _name(r) -> str:
+    """A run as a plot labels it: "hilore, budget 1.1x GC"."""
+    return r["method"] if r["budget"] is None else f"{r['method']}, budget {r['budget']:g}x GC"
+
+
 def _frontier(ax, report, methods) -> None:
-    for i, m in enumerate(methods):
-        rows = [r for r in report["runs"] if r["method"] == m and r.get("tokens_per_s")]
-        if not rows:
+    """Peak memory against speed, one point per run (its min-max over rounds as a bar), named
+    in the legend (no text on the points: runs close together would overlap)."""
+    for r in report["runs"]:
+        if not r.get("tokens_per_s") or r.get("peak_bytes") is None:
             continue
-        color, marker = _STYLE[i % len(_STYLE)][:-1], _STYLE[i % len(_STYLE)][-1]
-        xs = [r["peak_bytes"] / MiB for r in rows]
-        ys = [r["tokens_per_s"]["median"] for r in rows]
-        lo = [r["tokens_per_s"]["median"] - r["tokens_per_s"]["min"] for r in rows]
-        hi = [r["tokens_per_s"]["max"] - r["tokens_per_s"]["median"] for r in rows]
-        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker, color=color, capsize=3, label=m)
-        for r, x, y in zip(rows, xs, ys):
-            if r["budget"] is not None:
-                ax.annotate(f"{r['budget']:g}", (x, y), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
+        color, marker = _style(methods, r["method"])
+        t = r["tokens_per_s"]
+        ax.errorbar([r["peak_bytes"] / MiB], [t["median"]], capsize=3, color=color, fmt=marker,
+                    yerr=[[t["median"] - t["min"]], [t["max"] - t["median"]]], label=_name(r),
+                    markerfacecolor="none" if r["budget"] is None else color)
     for b in report["config"]["budgets"]:
         ax.axvline(b * report["gc_peak_bytes"] / MiB, color="grey", linestyle=":", linewidth=1)
-    ax.set_xlabel("peak memory, whole process (MiB); dotted: budget x GC peak")
-    ax.set_ylabel("tokens / s (median, min-max)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_xlabel("peak memory, whole process (MiB); dotted: each budget x GC's peak")
+    ax.set_ylabel("tokens / s (median over rounds, min-max)")
+    ax.legend(fontsize=8, loc="best")
 
 
 def _paired_panel(ax, report, methods) -> None:
-    rows = [r for r in report["runs"] if (r.get("vs_gc") or {}).get("wall")
-            and r["vs_gc"]["wall"]["median"] is not None and not r.get("measured_once")]
+    rows = [r for r in report["runs"] if ((r.get("vs_gc") or {}).get("wall") or {}).get("median")
+            is not None]
     for y, r in enumerate(rows):
-        i = methods.index(r["method"])
-        color, marker = _STYLE[i % len(_STYLE)][:-1], _STYLE[i % len(_STYLE)][-1]
+        color, marker = _style(methods, r["method"])
         c = r["vs_gc"]["wall"]
         err = None if c["low"] is None else [[c["median"] - c["low"]], [c["high"] - c["median"]]]
         ax.errorbar([c["median"]], [y], xerr=err, fmt=marker, color=color, capsize=3)
     ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']:g}"
-                        for r in rows], fontsize=7)
-    ax.set_xlabel("speed vs GC, paired (median, 95 % CI); > 1: faster")
+    ax.set_yticklabels([_name(r) for r in rows], fontsize=8)
+    ax.set_ylim(-0.5, len(rows) - 0.5)
+    ax.set_xlabel("speed vs GC, paired by round (median, 95 % CI)")
 
 
 def _tolerance_note(cfg) -> str:
@@ -206,24 +252,73 @@ def _tolerance_note(cfg) -> str:
             else f", grad_error_tolerance {tolerance:g}")
 
 
+def _title(report) -> str:
+    cfg = report["config"]
+    ranks = f", {cfg['ranks']} rank(s), ZeRO-{cfg['zero_stage']}" if "ranks" in cfg else ""
+    return (f"{cfg['model']}: {cfg['micro_batch']} sequences of {cfg['seq_len']} tokens per "
+            f"microbatch, {cfg.get('grad_accum', 1)} microbatches per rank and step{ranks}, "
+            f"{cfg['dtype']} on {cfg['device']}\n{len(report.get('rounds', []))} paired rounds"
+            f"{_tolerance_note(cfg)}")
+
+
 def plot(report, path: str) -> None:
+    """The paired mode's plot: peak memory against speed, and each run's paired speed against
+    GC with its interval, beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, side) = plt.subplots(1, 2, figsize=(12, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    rows = len(report["runs"])
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(13, max(5.5, 0.35 * rows + 2)),
+                                   gridspec_kw={"width_ratios": [3, 2]})
     methods = list(dict.fromkeys(r["method"] for r in report["runs"]))
     _frontier(ax, report, methods)
     _paired_panel(side, report, methods)
-    cfg = report["config"]
-    fig.suptitle(f"{cfg['model']}, {cfg['micro_batch']}x{cfg['seq_len']}"
-                 f"{' x' + str(cfg['grad_accum']) if cfg.get('grad_accum') else ''}, {cfg['dtype']}, "
-                 f"{cfg['device']}, {len(report.get('rounds', []))} paired rounds"
-                 f"{_tolerance_note(cfg)}", fontsize=10)
+    fig.suptitle(_title(report), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_run(report, path: str) -> None:
+    """The whole run's plot: each run's step times in order, its warm-up steps marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = report["run"]
+    steps = run["steps"]
+    fig, ax = plt.subplots(figsize=(12, 5))
+    methods = list(run["runs"])
+    for name in methods:
+        color, marker = _style(methods, name)
+        ax.plot(range(len(steps)), [s["wall_s"][name] for s in steps], color=color,
+                marker=marker, markersize=4, linewidth=1, label=name)
+        warm = run["runs"][name].get("warm_up_steps") or []
+        ax.plot(warm, [steps[i]["wall_s"][name] for i in warm], linestyle="none", marker="o",
+                markersize=10, markerfacecolor="none", color=color)
+    ax.set_xlabel("optimizer step (circled: the run's warm-up steps)")
+    ax.set_ylabel("step time, slowest rank (s)")
+    ax.legend(fontsize=8)
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['model']}: the whole run, {len(steps)} steps, lengths "
+                 f"{sorted(set(run['lengths']))}, {cfg['ranks']} rank(s), ZeRO-"
+                 f"{cfg['zero_stage']}, {cfg['dtype']} on {cfg['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def text(report) -> str:
+    """What the bench prints of a report: the whole run's accounting, or the paired table."""
+    return run_text(report) if "run" in report else table(report)
+
+
+def draw(report, path: str) -> None:
+    """The report's plot (``plot_run`` or ``plot``) at ``path``."""
+    (plot_run if "run" in report else plot)(report, path)
 
 
 def across_runs(reports: list[dict], names: list[str]) -> str:
@@ -278,7 +373,10 @@ def _load(report_path: str, alone: bool) -> dict:
         with open(report_path, encoding="utf-8") as handle:
             report = json.load(handle)
         if alone:
-            table(report)
+            text(report)
+        elif "run" in report:
+            raise ValueError("a whole-run report (--run-steps); several reports side by side "
+                             "are paired-mode reports")
         else:
             across_runs([report], [report_path])
         return report
@@ -297,8 +395,8 @@ def show(report_paths: list[str] | str, plot_path: str | None) -> int:
         raise BenchReportError(f"--plot {plot_path}: redraws one report; give --report one file "
                                f"(got {len(paths)})")
     reports = [_load(path, alone=len(paths) == 1) for path in paths]
-    print(table(reports[0]) if len(reports) == 1 else across_runs(reports, paths))
+    print(text(reports[0]) if len(reports) == 1 else across_runs(reports, paths))
     if plot_path:
-        plot(reports[0], plot_path)
+        draw(reports[0], plot_path)
         print(f"hilore bench: wrote {plot_path}", file=sys.stderr, flush=True)
     return 0

@@ -1,5 +1,14 @@
-"""The ``hilore bench`` report from its runs and rounds: one row per run, the paired comparisons,
-the regime the shape is in, and HiLoRe's targets (plain data, the JSON document)."""
+"""The bench's report document from what the ranks measured (plain data, the JSON).
+
+NOTE [ Every rank's samples, and the slowest ]
+``samples`` holds every rank's raw record as rank 0 gathered it (``ranks[r]``: its warm-up
+steps, peaks, FLOPs, and each round's or whole-run step's wall and CPU seconds per run) and
+what every rank holds alike (``shared``: gradient errors summed over ranks, HiLoRe's stats as
+rank 0 read them). The verdicts use one time per round and run: the slowest rank's (a
+DeepSpeed step ends when its last rank does); a peak is the largest rank's. ``rounds`` (and
+the whole run's ``run.steps``) hold those per-round figures, from which every paired ratio
+and interval is computed (``ds_hilore.bench.paired``).
+"""
 
 from __future__ import annotations
 
@@ -12,41 +21,70 @@ import torch
 
 from ds_hilore.bench import paired
 from ds_hilore.bench.methods import METHODS
-from ds_hilore.bench.report import efficiency
-from ds_hilore.bench.targets import label, samples, targets
-from ds_hilore.runtime.codecs import compile_failures
+from ds_hilore.bench.targets import label as label_of
+from ds_hilore.bench.targets import samples as paired_samples
+from ds_hilore.bench.targets import targets
 
-__all__ = ["comparisons", "regime", "report"]
+__all__ = ["comparisons", "document", "efficiency", "recomputed_flops", "regime", "slowest"]
 
 
-def _host(config) -> dict[str, Any]:
+def slowest(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Per run, the largest of the ranks' values (each rank's dict: run label -> value)."""
+    labels = dict.fromkeys(k for d in per_rank for k in d)
+    return {k: max(d[k] for d in per_rank if k in d) for k in labels}
+
+
+def _rounds(ranks: list[dict]) -> list[dict[str, Any]]:
+    """Round k of every rank as one record: its order, and each run's slowest rank's seconds."""
+    out = []
+    for k in range(min(len(r["rounds"]) for r in ranks)):
+        every = [r["rounds"][k] for r in ranks]
+        out.append({"round": k, "step": every[0]["step"], "order": every[0]["order"],
+                    "wall_s": slowest([e["wall_s"] for e in every]),
+                    "cpu_s": slowest([e["cpu_s"] for e in every])})
+    return out
+
+
+def _run_steps(ranks: list[dict], shared: dict) -> list[dict[str, Any]]:
+    """Whole-run step i of every rank as one record: slowest seconds, and each allocator's
+    warm-up work on any rank."""
+    out = []
+    for i in range(min(len(r["steps"]) for r in ranks)):
+        every = [r["steps"][i] for r in ranks]
+        work = {label: sorted({k for e in every for k in e["work"].get(label, [])})
+                for label in every[0]["work"]}
+        out.append({"step": i, "seq_len": every[0]["seq_len"], "order": every[0]["order"],
+                    "tokens": shared["tokens"][i],
+                    "wall_s": slowest([e["wall_s"] for e in every]),
+                    "cpu_s": slowest([e["cpu_s"] for e in every]), "work": work})
+    return out
+
+
+def host(config: dict[str, Any]) -> dict[str, Any]:
+    """Where the bench ran (the bench's own process: the ranks run on the same machine)."""
+    from ds_hilore.runtime.codecs import compile_failures
+
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    host = {"platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-            "load_avg_1m": load, "device": config["device"]}
-    try:
-        import transformers
-
-        host["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    out = {"platform": platform.platform(), "python": platform.python_version(),
+           "torch": torch.__version__, "cpus": os.cpu_count(), "load_avg_1m": load,
+           "device": config["device"], "ranks": config["ranks"],
+           "threads_per_rank": config.get("threads")}
+    for name in ("transformers", "deepspeed"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
     if config["device"] == "cuda":
-        host["gpu"] = torch.cuda.get_device_name()
-    # a codec kernel whose compilation failed ran eager: L's figures are then the eager codec's
-    host["codec_compile_failures"] = compile_failures()
-    return host
+        out["gpu"] = torch.cuda.get_device_name()
+    # a codec kernel whose compilation failed runs eager (read in this process: none ran here)
+    out["codec_compile_failures"] = compile_failures()
+    return out
 
 
-def _spread(values: list[float]) -> dict[str, float]:
+def _spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _empty_row(row: dict[str, Any], reason: str) -> dict[str, Any]:
-    row.update({k: None for k in ("tokens_per_s", "peak_bytes", "activation_peak_bytes",
-                                  "within_budget", "grad_err", "grad_err_microbatch", "plan_mix",
-                                  "plans", "gap_closed", "cpu_s", "recomputed_flops", "vs_gc")})
-    row["skipped"] = reason
-    return row
 
 
 def recomputed_flops(mine: list[int] | None, nogc: list[int] | None) -> int | None:
@@ -57,117 +95,177 @@ def recomputed_flops(mine: list[int] | None, nogc: list[int] | None) -> int | No
     return sum(max(0, m - n) for m, n in zip(mine, nogc))
 
 
-def _row(run, gc_peak: int, tokens: dict[int, int], nogc_flops) -> dict[str, Any]:
-    """One run's row; ``tokens``: round -> tokens of the step that round ran (the filtered
-    variant's steps differ in size)."""
-    src = run.copy_of or run
-    row: dict[str, Any] = {"method": run.method, "budget": run.budget, "timed_as": src.label}
-    if src.skipped or src.peak_bytes is None:
-        return _empty_row(row, src.skipped or "not measured")
-    stats = src.stats or {}
-    wall = [src.wall_s[k] for k in sorted(src.wall_s)]
-    cpu = [src.cpu_s[k] for k in sorted(src.cpu_s)]
-    tps = [tokens[k] / src.wall_s[k] for k in sorted(src.wall_s)]
+def _flops(ranks: list[dict], label: str) -> list[int] | None:
+    """Every rank's microbatch FLOPs of one step, rank by rank (None if any is missing)."""
+    per_rank = [r.get("flops", {}).get(label) for r in ranks]
+    return None if any(f is None for f in per_rank) else [x for f in per_rank for x in f]
+
+
+def _warm_up(ranks: list[dict], label: str) -> dict[str, Any]:
+    """A run's warm-up steps: count, seconds (each step the slowest rank's), its work."""
+    per_rank = [r["warmup"].get(label) for r in ranks]
+    if any(w is None for w in per_rank):
+        return {"warmup_steps": 0, "profile_s": 0.0}
+    walls = [max(w["wall_s"][i] for w in per_rank) for i in range(len(per_rank[0]["wall_s"]))]
+    return {"warmup_steps": len(walls), "profile_s": float(sum(walls)),
+            "warmup_work": per_rank[0]["work"]}
+
+
+def _peak(ranks: list[dict], label: str, key: str) -> int | None:
+    values = [r["peaks"][label][key] for r in ranks if label in r.get("peaks", {})]
+    return max(values) if len(values) == len(ranks) else None
+
+
+def _errors(values: list[float] | None) -> dict[str, float] | None:
+    return {"mean": statistics.fmean(values), "max": max(values)} if values else None
+
+
+def _row(label: str, samples: dict, rounds: list[dict], nogc_flops) -> dict[str, Any]:
+    """One run's row: its method and budget, then what was measured of it (None where nothing
+    was: ``skipped`` says why)."""
+    ranks, shared = samples["ranks"], samples["shared"]
+    method, _, budget = label.partition("@")
+    row: dict[str, Any] = {"method": method, "budget": float(budget) if budget else None,
+                           "label": label, "skipped": shared["skipped"].get(label)}
+    if shared.get("notes", {}).get(label):
+        row["note"] = shared["notes"][label]
+    if row["skipped"]:
+        return row
+    wall = [r["wall_s"][label] for r in rounds if label in r["wall_s"]]
+    tokens = [shared["tokens"][r["step"]] / r["wall_s"][label] for r in rounds
+              if label in r["wall_s"]]
+    errors = shared.get("grad_err", {}).get(label) or {}
+    flops = _flops(ranks, label)
     row.update({
-        "tokens_per_s": _spread(tps) if wall else None,
-        "step_s": _spread(wall) if wall else None, "cpu_s": _spread(cpu) if cpu else None,
-        "peak_bytes": src.peak_bytes, "activation_peak_bytes": src.activation_peak_bytes,
-        "within_budget": None if run.budget is None else bool(src.peak_bytes <= run.budget * gc_peak),
-        # the step's accumulated gradient, and each microbatch's, against no checkpointing
-        "grad_err": ({"mean": statistics.fmean(src.grad_errs), "max": max(src.grad_errs)}
-                     if src.grad_errs else None),
-        "grad_err_microbatch": ({"mean": statistics.fmean(src.grad_errs_micro),
-                                 "max": max(src.grad_errs_micro)} if src.grad_errs_micro else None),
-        "plan_mix": ({a: n for a, n in stats.get("actions", {}).items() if n} if src.stats else None),
-        # the allocator's plan per shape bucket, unit by unit (before any per-microbatch change)
-        "plans": src.plans,
-        # per step: bytes held per action (L: packed, each unpacked once in the backward), codec time
-        "held_bytes": ({a: n for a, n in stats.get("bytes", {}).items() if n} if src.stats else None),
-        "pack_s": stats.get("pack_s") if src.stats else None,
-        "unpack_s": stats.get("unpack_s") if src.stats else None,
-        "allocator": ({k: stats.get(k) for k in ("budget_bytes", "peak_bytes", "grad_error_est",
-                                                  "risk_budget")}
-                      if src.stats and stats.get("budget_bytes") is not None else None),
-        "gap_closed": None, "vs_gc": None,  # filled from the rounds below
-        "recomputed_flops": recomputed_flops(src.microbatch_flops, nogc_flops),
-        "update_flops": None if src.microbatch_flops is None else sum(src.microbatch_flops),
-        "skipped": None if wall else "no timed round",
-        "profile_s": src.profile_s, "warmup_steps": src.warmup_steps, "warmed": src.warmed,
+        "step_s": _spread(wall), "tokens_per_s": _spread(tokens),
+        "cpu_s": _spread([r["cpu_s"][label] for r in rounds if label in r["cpu_s"]]),
+        "peak_bytes": _peak(ranks, label, "peak_bytes"),
+        "activation_peak_bytes": _peak(ranks, label, "activation_peak_bytes"),
+        "grad_err": _errors(errors.get("step")),
+        "grad_err_microbatch": _errors(errors.get("microbatch")),
+        "recomputed_flops": recomputed_flops(flops, nogc_flops),
+        "update_flops": None if flops is None else sum(flops),
+        "warmed": shared.get("warmed", {}).get(label, True),
+        **_warm_up(ranks, label),
+        **(shared.get("hilore", {}).get(label) or {"plan_mix": None, "plans": None,
+                                                   "allocator": None}),
     })
-    if src.note:
-        row["note"] = src.note
-    if run.copy_of is not None:
-        row["measured_once"] = True
     return row
 
 
-def comparisons(report: dict[str, Any]) -> list[dict[str, Any]]:
+def _fill_paired(doc: dict[str, Any]) -> None:
+    """Each row's paired speed against GC (wall and CPU), the gap it closes, its peak over
+    GC's and whether it fits its budget."""
+    rows = {r["label"]: r for r in doc["runs"] if r.get("step_s")}
+    gc, nogc, gc_peak = rows.get("gc"), rows.get("nogc"), doc["gc_peak_bytes"]
+    for row in doc["runs"]:
+        row["within_budget"] = None
+        if row.get("peak_bytes") is not None and gc_peak:
+            row["peak_over_gc"] = row["peak_bytes"] / gc_peak
+            if row["budget"] is not None:
+                row["within_budget"] = row["peak_bytes"] <= row["budget"] * gc_peak
+        row["vs_gc"], row["gap_closed"] = None, None
+        if not row.get("step_s") or gc is None:
+            continue
+        row["vs_gc"] = {key: paired.compare(*paired_samples(doc, row["label"], "gc", metric))
+                        for key, metric in (("wall", "wall_s"), ("cpu", "cpu_s"))}
+        t_gc, t_nogc = gc["step_s"]["median"], (nogc or gc)["step_s"]["median"]
+        if t_gc != t_nogc:
+            row["gap_closed"] = (t_gc - row["step_s"]["median"]) / (t_gc - t_nogc)
+
+
+def comparisons(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Every pair of timed runs (a before b in the table): b's step time over a's, per round,
-    by the wall clock and by CPU-seconds, with the 95 % interval (``paired.compare``)."""
-    timed = [r for r in report["runs"] if r.get("step_s") and not r.get("measured_once")]
+    by the wall clock and by CPU seconds, with the 95 % interval (``paired.compare``)."""
+    timed = [r for r in doc["runs"] if r.get("step_s")]
     out = []
     for i, a in enumerate(timed):
         for b in timed[i + 1:]:
-            entry = {"a": label(a), "b": label(b)}
-            for key, metric in (("wall", "wall_s"), ("cpu", "cpu_s")):
-                mine, theirs = samples(report, a["timed_as"], b["timed_as"], metric)
-                entry[key] = paired.compare(mine, theirs)
-            out.append(entry)
+            out.append({"a": a["label"], "b": b["label"], **{
+                key: paired.compare(*paired_samples(doc, a["label"], b["label"], metric))
+                for key, metric in (("wall", "wall_s"), ("cpu", "cpu_s"))}})
     return out
 
 
-def regime(report: dict[str, Any]) -> dict[str, Any]:
+def regime(doc: dict[str, Any]) -> dict[str, Any]:
     """Where the shape stands: no-GC's peak over GC's, GC's recompute over GC's update FLOPs,
     sequences per microbatch (the paper's regime: >= 1.5, >= 0.25, >= 8)."""
-    rows = {r["method"]: r for r in report["runs"] if r["budget"] is None and not r.get("skipped")}
+    rows = {r["label"]: r for r in doc["runs"] if not r.get("skipped")}
     nogc, gc = rows.get("nogc"), rows.get("gc")
-    cfg = report["config"]
     out = {"nogc_peak_over_gc": None, "gc_recompute_share": None,
-           "sequences_per_microbatch": cfg["micro_batch"]}
-    if nogc and gc:
+           "sequences_per_microbatch": doc["config"]["micro_batch"]}
+    if nogc and gc and nogc.get("peak_bytes") and gc.get("peak_bytes"):
         out["nogc_peak_over_gc"] = nogc["peak_bytes"] / gc["peak_bytes"]
-        if gc.get("update_flops") and gc.get("recomputed_flops") is not None:
-            out["gc_recompute_share"] = gc["recomputed_flops"] / gc["update_flops"]
+    if gc and gc.get("update_flops") and gc.get("recomputed_flops") is not None:
+        out["gc_recompute_share"] = gc["recomputed_flops"] / gc["update_flops"]
     return out
 
 
-def _fill_paired(report: dict[str, Any]) -> None:
-    rows = {r["method"]: r for r in report["runs"] if r["budget"] is None and r.get("step_s")}
-    gc, nogc = rows.get("gc"), rows.get("nogc")
-    t = {k: {"median": r["step_s"]["median"]} for k, r in rows.items()}
-    for row in report["runs"]:
-        if not row.get("step_s") or gc is None:
-            continue
-        mine, theirs = samples(report, row["timed_as"], gc["timed_as"], "wall_s")
-        row["vs_gc"] = {"wall": paired.compare(mine, theirs)}
-        mine, theirs = samples(report, row["timed_as"], gc["timed_as"], "cpu_s")
-        row["vs_gc"]["cpu"] = paired.compare(mine, theirs)
-        if nogc is not None and t["gc"]["median"] != t["nogc"]["median"]:
-            row["gap_closed"] = ((t["gc"]["median"] - row["step_s"]["median"])
-                                 / (t["gc"]["median"] - t["nogc"]["median"]))
+def efficiency(doc: dict[str, Any]) -> dict[str, float]:
+    """HiLoRe's machinery alone: forced all-R vs gc, forced all-H vs nogc (throughput ratios)."""
+    med = {label_of(r): r["tokens_per_s"]["median"] for r in doc["runs"] if r.get("tokens_per_s")}
+    return {f"{forced}_vs_{ref}": med[forced] / med[ref]
+            for forced, ref in (("hilore_all_r", "gc"), ("hilore_all_h", "nogc"))
+            if forced in med and ref in med}
 
 
-def report(config, runs, gc_peak: int, steps, block_k, records) -> dict[str, Any]:
-    """The JSON document (see ``ds_hilore.bench.frontier``) from the runs measured so far."""
-    per_step = [sum(int(m["input_ids"].numel()) for m in s) for s in steps]  # tokens
-    tokens = {r["round"]: per_step[r["step"]] for r in records}
-    nogc_flops = next((r.microbatch_flops for r in runs if r.method == "nogc" and r.live), None)
-    rows = [_row(r, gc_peak, tokens, nogc_flops) for r in runs]
-    cfg = {k: v for k, v in config.items() if k != "layers_n"}
-    cfg["layers_built"] = config["layers_n"]
-    cfg["tokens_per_step"] = per_step[0]
-    cfg["tokens_of_steps"] = per_step
-    cfg["sequences_per_step"] = [sum(int(m["input_ids"].shape[0]) for m in s) for s in steps]
-    cfg["block_h_k"] = {  # NOTE [ block_h's k, measured against GC in the same memory ]
-        f"{b:g}": {"k": k, "probes": [{"k": pk, "peak_bytes": pp, "gc_peak_bytes": gp}
-                                      for pk, pp, gp in probes]}
-        for b, (k, probes) in block_k.items()}
-    profile_s = sum(r.profile_s for r in runs if r.copy_of is None and METHODS[r.method].policy)
-    out = {"config": cfg, "host": _host(config), "gc_peak_bytes": int(gc_peak),
-           "profile_s": float(profile_s), "rounds": list(records), "runs": rows}
-    _fill_paired(out)
-    out["regime"] = regime(out)
-    out["comparisons"] = comparisons(out)
-    out["efficiency"] = efficiency(out)
-    out["targets"] = targets(out)
+# NOTE [ The whole run's accounting ]
+# Every run's update time is the sum of its steps' times (each the slowest rank's). A step is
+# one of a HiLoRe allocator's warm-up steps when its stats show warm-up work on any rank
+# (``stats.step_work``: profiling, planning, calibration, leave-one-out); its warm-up seconds
+# are the sum over those steps of its time minus GC's on the same step (the step data, its
+# length and the machine's moment alike), what the warm-up cost above doing GC's work. Its
+# steady ratio is the paired comparison with GC over the steps after its last warm-up step.
+def _run_summary(steps: list[dict], label: str) -> dict[str, Any]:
+    """One run's whole-run figures (NOTE [ The whole run's accounting ])."""
+    mine = [s["wall_s"][label] for s in steps]
+    gc = [s["wall_s"]["gc"] for s in steps]
+    out: dict[str, Any] = {"update_s": float(sum(mine)), "gc_update_s": float(sum(gc))}
+    out["time_over_gc"] = out["update_s"] / out["gc_update_s"] if out["gc_update_s"] else None
+    if not any(label in s["work"] for s in steps):
+        return out
+    warm = [i for i, s in enumerate(steps) if s["work"].get(label)]
+    after = (warm[-1] + 1) if warm else 0
+    out.update({"warm_up_steps": warm,
+                "warm_up_s": float(sum(mine[i] - gc[i] for i in warm)),
+                "steady_from": after,
+                "steady": paired.compare(mine[after:], gc[after:])})
     return out
+
+
+def _whole_run(samples: dict) -> dict[str, Any]:
+    steps = _run_steps(samples["ranks"], samples["shared"])
+    labels = [label for label in samples["shared"]["runs"]
+              if not samples["shared"]["skipped"].get(label)]
+    runs = {label: _run_summary(steps, label) for label in labels} if steps else {}
+    return {"steps": steps, "lengths": samples["shared"]["lengths"], "runs": runs}
+
+
+def document(config: dict[str, Any], samples: dict[str, Any], stop: dict[str, Any],
+             seconds: float) -> dict[str, Any]:
+    """The report (the JSON document) of ``config`` (``Config.to_dict()``) from rank 0's last
+    ``samples``: ``config``, ``host``, ``samples`` (raw, NOTE [ Every rank's samples, and the
+    slowest ]), ``stop`` and ``seconds``; in the paired mode ``rounds``, ``runs`` (one row per
+    run), ``gc_peak_bytes``, ``profile_s``, ``comparisons``, ``regime``, ``efficiency`` and
+    ``targets``; in the whole-run mode ``run``."""
+    doc: dict[str, Any] = {"config": dict(config), "host": host(config), "samples": samples,
+                           "stop": stop, "seconds": seconds}
+    if config.get("run_steps"):
+        doc["run"] = _whole_run(samples)
+        return doc
+    ranks = samples["ranks"]
+    doc["rounds"] = _rounds(ranks)
+    nogc_flops = _flops(ranks, "nogc")
+    doc["runs"] = [_row(label, samples, doc["rounds"], nogc_flops)
+                   for label in samples["shared"]["runs"]]
+    gc = next((r for r in doc["runs"] if r["label"] == "gc"), {})
+    doc["gc_peak_bytes"] = gc.get("peak_bytes")
+    doc["profile_s"] = float(sum(r.get("profile_s", 0.0) for r in doc["runs"]
+                                 if METHODS[r["method"]].allocator))
+    doc["config"]["tokens_per_step"] = samples["shared"]["tokens"][0]
+    _fill_paired(doc)
+    doc["regime"] = regime(doc)
+    doc["comparisons"] = comparisons(doc)
+    doc["efficiency"] = efficiency(doc)
+    doc["targets"] = targets(doc) if doc["gc_peak_bytes"] else []
+    return doc

@@ -6,7 +6,7 @@
 #                                           filled beforehand by `make gpu-wheels`)
 #
 # Everything goes to one folder, $OUT (default output/gpu-bench): gpu.log (this script's whole
-# output), versions.txt, device_check.json, bench.json, bench.png. Steps:
+# output), versions.txt, device_check.json, bench.json, bench.png, run.json, run.png. Steps:
 #   1. torch and its CUDA device, as found (never reinstalled);
 #   2. what is missing -- deepspeed first -- installed from the wheels folder with
 #      `pip install --no-index --no-deps`; this checkout goes on PYTHONPATH;
@@ -14,19 +14,25 @@
 #   4. exactness (H and R against GC, bf16, bitwise; elision: NOTE [ Stand-ins on accelerators ])
 #      and the CUDA peak, allocated and reserved,
 #      against the budget (python -m ds_hilore.bench.device_check, at most 4 minutes);
-#   5. the bench: qwen2.5-1.5b widths, all 28 layers, bf16, LoRA r=16, responses up to 2048
-#      tokens after a prompt, micro-batch 4, 2 microbatches per step, budget 1.10, paired rounds
-#      until decided or the time left of HILORE_GPU_MINUTES (default 9) is used.
+#   5. the bench, paired rounds: one rank on this GPU (DeepSpeed ZeRO-2, NCCL), qwen2.5-1.5b
+#      widths, all 28 layers, bf16, LoRA r=16, responses up to 2048 tokens after a prompt,
+#      micro-batch 4, 2 microbatches per step, budget 1.10, nogc,gc,static,hr,hilore, until
+#      decided or HILORE_GPU_MINUTES (default 14) less what step 6 needs is used;
+#   6. the bench, the whole run: fresh nogc, gc and hilore engines, HILORE_RUN_STEPS (default
+#      24) steps each at lengths 1024, 2048 and 2732 (several shape buckets), HiLoRe's warm-up
+#      included (HILORE_RUN_MINUTES, default 4, then SIGINT: the steps done are reported).
 # Fails loudly: any error stops the script (set -e) except a failed check of step 4, which is
 # reported and makes the final exit status 1 after the bench has run; a method that fails on the
-# device fails the bench (--strict) instead of being reported as skipped.
+# device fails the bench (every rank's error ends it).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WHEELS="${1:-${HILORE_WHEELS:-$REPO/examples/bench/wheels}}"
 OUT="${OUT:-$REPO/output/gpu-bench}"
 PY="${PYTHON:-python3}"
-MINUTES="${HILORE_GPU_MINUTES:-9}"
+MINUTES="${HILORE_GPU_MINUTES:-14}"
+RUN_MINUTES="${HILORE_RUN_MINUTES:-4}"
+RUN_STEPS="${HILORE_RUN_STEPS:-24}"
 read -r -a EXTRA <<< "${HILORE_BENCH_FLAGS:-}"  # more bench flags, e.g. --elide-zero-rows false
 START="$(date +%s)"
 
@@ -103,20 +109,27 @@ if [ "$check" -ne 0 ]; then
     echo "DEVICE CHECK FAILED (exit $check): see above and $OUT/device_check.json"
 fi
 
-echo "== 5. the bench"
-left=$(( MINUTES * 60 - ($(date +%s) - START) - 30 ))  # seconds; 30 s for the report
+echo "== 5. the bench: paired rounds"
+left=$(( MINUTES * 60 - ($(date +%s) - START) - RUN_MINUTES * 60 - 60 ))  # seconds
 if [ "$left" -lt 120 ]; then
-    echo "error: only ${left}s left of ${MINUTES} minutes for the bench"; exit 1
+    echo "error: only ${left}s left of ${MINUTES} minutes for the paired rounds"; exit 1
 fi
-# seq 2732: a prompt of 683 tokens (T/4), then responses of 512 to 2048 tokens
-# past the time, SIGINT ends the rounds and the report is written; -k: a process that does not
-# end 30 s later is killed
-timeout -k 30 --signal=INT "$(( left + 60 ))" "$PY" -m ds_hilore.cli bench \
-    --model qwen2.5-1.5b --dtype bf16 --device cuda --seq-len 2732 --micro-batch 4 \
-    --group-size 4 --grad-accum 2 --budgets 1.10 --ds-init --strict \
-    --methods nogc,gc,ds_ac,sac,block_h,all_l,static,hr,hilore \
-    --rounds auto --max-minutes "$(awk "BEGIN {print $left / 60}")" \
+# seq 2732: a prompt of 683 tokens (T/4), then responses of 512 to 2048 tokens. Past the time
+# SIGINT ends the rounds and the report is written; -k: a process that does not end 30 s later
+# is killed
+timeout -k 30 --preserve-status --signal=INT "$(( left + 60 ))" "$PY" -m ds_hilore.cli bench \
+    --model qwen2.5-1.5b --dtype bf16 --device cuda --ranks 1 --zero-stage 2 --seq-len 2732 \
+    --micro-batch 4 --group-size 4 --grad-accum 2 --budgets 1.10 \
+    --methods nogc,gc,static,hr,hilore --rounds auto \
+    --max-minutes "$(awk "BEGIN {print $left / 60}")" \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" ${EXTRA[@]+"${EXTRA[@]}"}
+
+echo "== 6. the bench: the whole run, warm-up included"
+timeout -k 30 --preserve-status --signal=INT "$(( RUN_MINUTES * 60 ))" "$PY" -m ds_hilore.cli bench \
+    --model qwen2.5-1.5b --dtype bf16 --device cuda --ranks 1 --zero-stage 2 \
+    --micro-batch 4 --group-size 4 --grad-accum 2 --budgets 1.10 --methods nogc,gc,hilore \
+    --run-steps "$RUN_STEPS" --lengths 1024,2048,2732 \
+    --json "$OUT/run.json" --plot "$OUT/run.png" ${EXTRA[@]+"${EXTRA[@]}"}
 
 echo "== done in $(( $(date +%s) - START )) s; results in $OUT"
 exit "$check"
