@@ -31,7 +31,11 @@ PROBE_TOKENS = 32  # sequence length of the forward that measures each unit's by
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hilore`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser (the bench's: one line)
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        (commands.choices.get(args.command) or parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -107,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench)
     bench.set_defaults(run=_run_bench)
+    bench.error = _one_line_error  # a bad flag: one line, as the bench's own checks say it
 
     config = sub.add_parser("config", help="validate the \"hilore\" block of a ds_config",
                             description="Print the resolved \"hilore\" block (defaults filled in) "
@@ -114,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--check", metavar="PATH", required=True, help="ds_config JSON file")
     config.set_defaults(run=_run_config_check)
     return parser
+
+
+def _one_line_error(message: str) -> None:
+    """argparse's error (an unknown flag, a value outside its choices) as one line naming the
+    flag and what is allowed; exits with the status of a bad configuration."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_CONFIG_ERROR)
 
 
 # ---------------------------------------------------------------------------------- commands

@@ -252,10 +252,21 @@ def test_bad_flags_exit_2_with_one_line(capsys, flags, words):
         assert word in err, (word, err)
 
 
-def test_unknown_or_repeated_flag_names_are_refused(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "--model", "tiny", "--repeats", "3"])
-    assert "--repeats" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, words", [
+    (["--repeats", "3"], ["unrecognized arguments: --repeats"]),  # one name per flag: --rounds
+    (["--no-elision"], ["unrecognized arguments: --no-elision"]),
+    (["--zero-stage", "5"], ["--zero-stage", "invalid choice", "0, 1, 2, 3"]),
+    (["--device", "tpu"], ["--device", "'auto', 'cpu', 'cuda'"]),
+    (["--layout", "packed"], ["--layout", "'shuffled', 'grouped'"]),
+])
+def test_argparse_errors_are_one_line_too(capsys, flags, words):
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["bench", "--model", "tiny", *flags])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    for word in words:
+        assert word in err, (word, err)
 
 
 def test_a_local_checkpoint_directory_is_a_model(tmp_path):
@@ -406,6 +417,11 @@ def test_the_conductor_stops_the_rounds_when_told_decided_or_out_of_time():
     timed = _conductor("--rounds", "auto", "--max-minutes", "0.001")
     assert timed.word(first(0), 0) and not timed.word(first(1), 1)  # one more would pass it
     assert timed.stop["reason"] == "max_minutes"
+    stopped = _conductor("--rounds", "10")
+    assert stopped.word(first(0), 0)
+    stopped.interrupted()  # what the launch calls on SIGINT (it also asks the ranks to stop)
+    assert not stopped.word(first(1), 1) and stopped.stop["reason"] == "interrupted"
+    assert stopped.document(first(1), final=True)["stop"]["reason"] == "interrupted"
     doc = auto.document(first(6), final=True)  # rank 1 is the slower: its times count
     assert doc["rounds"][0]["wall_s"]["gc"] == pytest.approx(walls["gc"][0] * 1.01)
     assert doc["gc_peak_bytes"] == 100 and doc["stop"]["reason"] == "decided"
@@ -760,3 +776,13 @@ def test_several_reports_side_by_side_say_how_many_runs_agreed(tmp_path, capsys)
     assert len(err) == 1 and "missing.json: not a readable hilore bench report" in err[0]
 
 
+
+
+def test_a_codec_that_fell_back_to_eager_is_reported():
+    """A codec kernel whose compilation failed in the ranks runs eager; the report says which."""
+    samples = _samples({"nogc": [1.0], "gc": [1.1]}, {"nogc": 2, "gc": 1})
+    samples["shared"]["codec_compile_failures"] = {"int8.encode": "InductorError: no compiler"}
+    doc = _conductor().document(samples, final=True)
+    assert doc["host"]["codec_compile_failures"] == {"int8.encode": "InductorError: no compiler"}
+    line = [x for x in report_module.table(doc).splitlines() if "torch.compile failed" in x]
+    assert line and "int8.encode" in line[0]

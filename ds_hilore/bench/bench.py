@@ -95,13 +95,12 @@ class Conductor:
     def document(self, samples: dict[str, Any], final: bool = False) -> dict[str, Any]:
         """The report of ``samples``; ``final``: the rounds' end said (an end the bench did
         not ask for was an interrupt)."""
-        stop = dict(self.stop)
+        stop, phase = dict(self.stop), samples["shared"].get("phase")
         if final and stop["reason"] == "running":
-            stop["reason"] = "interrupted" if (samples["shared"].get("interrupted")
-                                               or samples["shared"].get("phase") != "done") \
-                else ("steps" if self.config.run_steps else "rounds")
-        if final and "phase" not in stop and samples["shared"].get("phase") != "done":
-            stop["phase"] = samples["shared"].get("phase")
+            stop["reason"] = "interrupted" if phase != "done" else (
+                "steps" if self.config.run_steps else "rounds")
+        if final and phase != "done":
+            stop["phase"] = phase
         return summary.document(self.config.to_dict(), samples, stop,
                                 time.perf_counter() - self.begin)
 
@@ -120,6 +119,8 @@ class Conductor:
     def word(self, samples: dict[str, Any], index: int) -> bool:
         """Whether round ``index`` runs: not past the count, the decisive comparisons not all
         decided (``--rounds auto``), and one more round ends within the time."""
+        if self.stop["reason"] != "running":  # interrupted
+            return False
         doc = self.document(samples)
         rounds = doc["rounds"]
         per_round = (sum(sum(r["wall_s"].values()) for r in rounds) / len(rounds)) if rounds else 0.0
@@ -140,6 +141,11 @@ class Conductor:
         self._round_line(index, per_round)
         return True
 
+    def interrupted(self) -> None:
+        """An interrupt: the rounds end, said so."""
+        if self.stop["reason"] == "running":
+            self.stop = {"reason": "interrupted", "undecided": []}
+
     def _elapsed(self) -> float:
         return time.perf_counter() - self.begin
 
@@ -147,11 +153,12 @@ class Conductor:
         if self.config.rounds != "auto":
             self._eta_line(f"round {index + 1}/{self.target}", index, self.target, per_round)
             return
-        left = "" if self.limit_s is None else (
-            f", --max-minutes {self.limit_s / 60:g} ends it by "
-            f"{_clock(self.limit_s - self._elapsed())}")
-        pace = f" ({per_round:.1f} s a round)" if per_round else ""
-        _say(f"round {index + 1} (auto: until the decisive comparisons are decided{left}){pace}")
+        pace = f", {per_round:.1f} s a round" if per_round else ""
+        latest = "" if self.limit_s is None else (
+            f"; ETA at the latest {_clock(self.limit_s - self._elapsed())} (--max-minutes "
+            f"{self.limit_s / 60:g})")
+        _say(f"round {index + 1} (auto{pace}): until the decisive comparisons are decided"
+             f"{latest}")
 
     def _eta_line(self, what: str, done: int, total: int, per_item: float) -> None:
         """``what``, with when the remaining items end at ``per_item`` seconds each."""

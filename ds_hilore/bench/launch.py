@@ -43,6 +43,9 @@ class Listener(Protocol):
     def word(self, samples: dict[str, Any], round_index: int) -> bool:
         """Whether round ``round_index`` runs (rank 0 waits for the answer)."""
 
+    def interrupted(self) -> None:
+        """The bench was interrupted: the ranks are asked to stop."""
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -118,6 +121,7 @@ def _listen(procs, run_dir: Path, listener: Listener) -> dict[str, Any] | None:
         except KeyboardInterrupt:
             interrupts += 1
             request_stop(run_dir)
+            listener.interrupted()
             if interrupts > 1:
                 _end(procs)
                 raise

@@ -28,6 +28,7 @@ from ds_hilore.bench.engines import (Run, close_run, max_over_ranks, metered_ste
                                      train_step, trainable)
 from ds_hilore.bench.methods import METHODS
 from ds_hilore.bench.models import lm_of
+from ds_hilore.runtime.codecs import compile_failures
 
 __all__ = ["MAX_WARMUP", "Interrupted", "open_runs", "paired", "warm_up_run"]
 
@@ -58,13 +59,13 @@ def paired(config, base: torch.nn.Module, link) -> None:
             link.say(phase)
             work(live, steps, record, shared, link, config, init)
             link.publish(record, shared, phase)
-        shared["phase"] = "paired rounds"
+        shared["phase"] = "running paired rounds"
         _rounds(live, steps, record, shared, link, config)
         shared["phase"] = "done"
     except Interrupted:
         link.say(f"interrupted while {shared['phase']}")
-        shared["interrupted"] = True
     finally:
+        shared["codec_compile_failures"] = compile_failures()  # they run eager
         link.publish(record, shared, shared["phase"])
         for run in runs:
             close_run(run)

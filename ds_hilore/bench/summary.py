@@ -60,10 +60,9 @@ def _run_steps(ranks: list[dict], shared: dict) -> list[dict[str, Any]]:
     return out
 
 
-def host(config: dict[str, Any]) -> dict[str, Any]:
-    """Where the bench ran (the bench's own process: the ranks run on the same machine)."""
-    from ds_hilore.runtime.codecs import compile_failures
-
+def host(config: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    """Where the bench ran (read in the bench's own process: the ranks run on the same
+    machine), and the codec kernels whose compilation failed in rank 0 (they ran eager)."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     out = {"platform": platform.platform(), "python": platform.python_version(),
            "torch": torch.__version__, "cpus": os.cpu_count(), "load_avg_1m": load,
@@ -76,8 +75,7 @@ def host(config: dict[str, Any]) -> dict[str, Any]:
             pass
     if config["device"] == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
-    # a codec kernel whose compilation failed runs eager (read in this process: none ran here)
-    out["codec_compile_failures"] = compile_failures()
+    out["codec_compile_failures"] = dict(shared.get("codec_compile_failures") or {})
     return out
 
 
@@ -248,7 +246,8 @@ def document(config: dict[str, Any], samples: dict[str, Any], stop: dict[str, An
     slowest ]), ``stop`` and ``seconds``; in the paired mode ``rounds``, ``runs`` (one row per
     run), ``gc_peak_bytes``, ``profile_s``, ``comparisons``, ``regime``, ``efficiency`` and
     ``targets``; in the whole-run mode ``run``."""
-    doc: dict[str, Any] = {"config": dict(config), "host": host(config), "samples": samples,
+    doc: dict[str, Any] = {"config": dict(config), "host": host(config, samples["shared"]),
+                           "samples": samples,
                            "stop": stop, "seconds": seconds}
     if config.get("run_steps"):
         doc["run"] = _whole_run(samples)

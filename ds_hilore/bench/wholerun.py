@@ -17,6 +17,7 @@ from ds_hilore.bench import data, stats
 from ds_hilore.bench.engines import Run, close_run, rank_steps, timed_step
 from ds_hilore.bench.methods import METHODS
 from ds_hilore.bench.models import lm_of
+from ds_hilore.runtime.codecs import compile_failures
 from ds_hilore.bench.rounds import Interrupted, open_runs
 
 __all__ = ["whole_run"]
@@ -34,7 +35,7 @@ def whole_run(config, base: torch.nn.Module, link) -> None:
     try:
         open_runs(runs, base, config, None, record, shared, link)
         live = [r for r in runs if r.engine is not None]
-        shared["phase"] = "whole run"
+        shared["phase"] = "running the whole run"
         link.say(f"whole run: {len(steps)} steps of {len(live)} runs, lengths {sorted(set(lengths))}")
         readings = {r.label: None for r in live}
         for step in steps:
@@ -46,8 +47,8 @@ def whole_run(config, base: torch.nn.Module, link) -> None:
         shared["phase"] = "done"
     except Interrupted:
         link.say(f"interrupted while {shared['phase']}")
-        shared["interrupted"] = True
     finally:
+        shared["codec_compile_failures"] = compile_failures()  # they run eager
         link.publish(record, shared, shared["phase"])
         for run in runs:
             close_run(run)
