@@ -257,10 +257,15 @@ def rank_steps(config, vocab: int, rank: int, lengths: list[int]) -> list[Step]:
 
 def timed_step(run: Run, step: Step, device: str) -> tuple[float, float]:
     """(wall, process CPU) seconds of ``train_step`` on this rank, between barriers: every rank
-    starts together, and a rank's time is its own (the bench takes the slowest rank's)."""
+    starts together, and a rank's time is its own (the bench takes the slowest rank's). On
+    CUDA the device's peak counter is reset first: HiLoRe never resets it and reads a window
+    under an earlier, higher peak (another engine's step) only as a bound (NOTE [ Shared peak
+    counters ] in runtime/memory.py); the bench owns its processes, nothing else reads it."""
     import time
 
     sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     dist.barrier()
     c0, t0 = time.process_time(), time.perf_counter()
     train_step(run, step.micro_batches, step.prediction)

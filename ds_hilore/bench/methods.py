@@ -47,7 +47,7 @@ class Method:
     budgeted: bool = False  # one run per memory budget
     exact: bool = False  # the gradient equals no checkpointing's (up to op order)
     allocator: bool = False  # HiLoRe's scheduler decides: it warms up first
-    blind: bool = False  # the exposure-blind scheduler (NOTE [ static: ... ])
+    blind: bool = False  # NOTE [ static: the allocator without exposure ]
     offload: bool = False  # saved activations to host memory around each micro-step
     searched: bool = False  # block_h: the k of its plan is found by measuring
     reentrant: bool = False  # its backward writes .grad itself: no autograd.grad of it
@@ -181,5 +181,6 @@ def _exposure_blind_scheduler():
 
 
 def ExposureBlindScheduler(runtime):  # noqa: N802 -- a class, made when first needed
-    """The exposure-blind scheduler of ``runtime`` (NOTE [ static: ... ])."""
+    """The exposure-blind scheduler of ``runtime`` (NOTE [ static: the allocator without
+    exposure ])."""
     return _exposure_blind_scheduler()(runtime)
