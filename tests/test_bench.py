@@ -368,6 +368,13 @@ def test_step_work_reads_warm_up_off_the_stats():
     all_r = dict(fresh, plans=_plans(**{"8x32": {"a": "R"}}))
     assert stats.step_work(all_r, all_r) == []  # an all-R plan has nothing to validate
     assert stats.step_work(None, dict(validated, warm_up=["calibration"])) == ["calibration"]
+    # a bucket still profiled or validated counts for the steps whose lengths fall in it
+    two = dict(validated, plans=_plans(**{"8x32": keep, "8x64": None}))
+    assert stats.step_work(two, two, lengths=[20]) == []  # 20 -> the 8x32 bucket, done
+    assert stats.step_work(two, two, lengths=[33]) == ["profiling"]  # 33 -> 64
+    assert stats.step_work(two, two) == ["profiling"]  # lengths unknown: any bucket
+    assert stats.step_work(planned, planned, lengths=[64]) == []
+    assert stats.step_work(planned, planned, lengths=[32]) == ["leave-one-out"]
 
 
 # ---------------------------------------------------------------------------------- conductor

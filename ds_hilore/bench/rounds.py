@@ -133,11 +133,12 @@ def warm_up_run(run: Run, steps, device: str, link) -> tuple[list, list, bool]:
     validates = runtime is not None and runtime.config.plan_validation_microbatches > 0
     before = None if runtime is None else runtime.stats
     while len(times) < (MAX_WARMUP if runtime is not None else 1):
-        times.append(timed_step(run, steps[len(times) % len(steps)], device))
+        step = steps[len(times) % len(steps)]
+        times.append(timed_step(run, step, device))
         done = []
         if runtime is not None:
             after = runtime.stats
-            done, before = stats.step_work(before, after, validates), after
+            done, before = stats.step_work(before, after, validates, [step.seq_len]), after
         work.append(done)
         steady = 0 if max_over_ranks(float(bool(done)), device) else steady + 1
         if link.stopped():

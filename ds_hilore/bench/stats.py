@@ -11,8 +11,12 @@ timed variants of a plan (a bucket with a plan that keeps some unit and no ``lea
 entry yet, while ``plan_validation_microbatches`` > 0: the entry appears when it ends, in the
 step that ends it). The stats carry no flag saying leave-one-out is under way, nor one for a
 plan whose peak is being checked without a re-plan: the first is derived as said, the second
-is not seen (such a step runs the plan, metered). Should the stats carry a ``"warm_up"`` entry
-(the step's warm-up work, e.g. a list of kinds), it is read instead.
+is not seen (such a step runs the plan, metered). Nor do they say which bucket a step's
+microbatches ran: a bucket still profiled, or still under leave-one-out, counts only for a step
+whose sequence lengths fall in it, read off the bucket's name ("<sequences>x<length>", the
+length rounded up to a power of two, as HiLoRe buckets shapes); a name read otherwise counts
+for every step. Should the stats carry a ``"warm_up"`` entry (the step's warm-up work, e.g. a
+list of kinds), it is read instead.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ KINDS = ("profiling", "planning", "calibration", "leave-one-out")
 
 
 def step_work(before: Mapping[str, Any] | None, after: Mapping[str, Any],
-              validates: bool = True) -> list[str]:
+              validates: bool = True, lengths: list[int] | None = None) -> list[str]:
     """The kinds of warm-up work (``KINDS``) HiLoRe did in the step between two readings of
     its stats (``before``: None before the first step); [] for a steady step. ``validates``:
-    the runtime's ``plan_validation_microbatches`` > 0 (leave-one-out runs)."""
+    the runtime's ``plan_validation_microbatches`` > 0 (leave-one-out runs); ``lengths``: the
+    sequence lengths of the step's forwards (None: any bucket may have run)."""
     if "warm_up" in after:  # the runtime's own account, when it gives one
         work = after["warm_up"]
         return sorted(k for k, v in work.items() if v) if isinstance(work, Mapping) else list(work or [])
@@ -38,7 +43,8 @@ def step_work(before: Mapping[str, Any] | None, after: Mapping[str, Any],
     work = set()
     for key, plan in plans_a.items():
         if plan is None:
-            work.add("profiling")
+            if _ran(key, lengths):
+                work.add("profiling")
         elif plans_b.get(key) is None or _actions(plans_b[key]) != _actions(plan):
             work.add("planning")
     calib_b, calib_a = before.get("calibration") or {}, after.get("calibration") or {}
@@ -48,9 +54,18 @@ def step_work(before: Mapping[str, Any] | None, after: Mapping[str, Any],
     if set(loo_a) - set(loo_b):
         work.add("leave-one-out")
     if validates and any(plan is not None and key not in loo_a and _keeps(plan)
-                         for key, plan in plans_a.items()):
+                         and _ran(key, lengths) for key, plan in plans_a.items()):
         work.add("leave-one-out")
     return [k for k in KINDS if k in work]
+
+
+def _ran(key: str, lengths: list[int] | None) -> bool:
+    """Whether a step of these sequence ``lengths`` ran bucket ``key`` (NOTE above)."""
+    try:
+        length = int(str(key).split("x")[1])
+    except (IndexError, ValueError):
+        return True
+    return lengths is None or any(length == 1 << (max(1, t) - 1).bit_length() for t in lengths)
 
 
 def _actions(plan: Mapping[str, Any]) -> dict[str, str]:

@@ -67,7 +67,8 @@ def _one_step(live: list[Run], step, readings: dict, device: str) -> dict:
         if runtime is not None and METHODS[run.method].allocator:
             after = runtime.stats
             validates = runtime.config.plan_validation_microbatches > 0
-            entry["work"][run.label] = stats.step_work(readings[run.label], after, validates)
+            entry["work"][run.label] = stats.step_work(readings[run.label], after, validates,
+                                                       [step.seq_len])
             readings[run.label] = after
     return entry
 
