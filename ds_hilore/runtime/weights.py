@@ -48,8 +48,11 @@ class WeightRecognizer:
         self.params = {id(m): list(m.parameters()) for m in modules}
         self._casts: dict[int, tuple[StorageWeakRef, nn.Parameter]] = {}  # storage ptr -> param
         self.leaf: nn.Module | None = None  # the leaf module running now (the runtime's hooks)
+        self._ptrs: dict[int, tuple[int, dict[int, nn.Parameter]]] = {}  # NOTE [ Aliases, by address ]
 
-    def __call__(self, t: torch.Tensor, layer_module: nn.Module) -> WeightRef | None:
+    def __call__(self, t: torch.Tensor, layer_module: nn.Module,
+                 epoch: int | None = None) -> WeightRef | None:
+        """``epoch``: the microbatch the call belongs to (NOTE [ Aliases, by address ])."""
         base = t._base if t._base is not None else t
         if isinstance(base, nn.Parameter):  # the common case: W.t() saved by a matmul
             return WeightRef(base, None, t, base)
@@ -62,13 +65,38 @@ class WeightRecognizer:
             if p is not None and any(p is q for q in params) and p.shape == base.shape:
                 return WeightRef(p, base.dtype, t, base)
             return None
-        ptr = t.untyped_storage().data_ptr()
-        for p in params:  # a detached alias of a parameter
-            if p.numel() and p.untyped_storage().data_ptr() == ptr:
-                return WeightRef(p, None, t, p)
+        p = self._alias(t.untyped_storage().data_ptr(), layer_module, params, epoch)
+        if p is not None:  # a detached alias of a parameter
+            return WeightRef(p, None, t, p)
         if base.requires_grad or not base.is_contiguous():
             return None
         return self._frozen_cast(t, base, params)
+
+    def _alias(self, ptr: int, module: nn.Module, params, epoch: int | None) -> nn.Parameter | None:
+        """NOTE [ Aliases, by address ]
+        A saved tensor without autograd history may be a detached alias of one of the layer's
+        parameters (a frozen LoRA base weight): the first parameter whose storage is its
+        storage. Comparing it with every parameter's storage cost a few dozen storage reads per
+        such tensor -- the rotary tables, the first layer's activations under LoRA, attention
+        masks -- a large part of HiLoRe's host cost per microbatch on small layers. Within one
+        microbatch a parameter's storage does not move (outside ZeRO-3, which gathers a
+        layer's parameters into new storage as its children run), so the layer's addresses are
+        read once per microbatch into a map (the first parameter at an address, as the loop
+        found) and each tensor is one lookup. Under ZeRO-3, or without a microbatch, every
+        parameter is compared as it is now."""
+        if epoch is not None and not getattr(params[0] if params else None, "ds_id", None):
+            cached = self._ptrs.get(id(module))
+            if cached is None or cached[0] != epoch:
+                found: dict[int, nn.Parameter] = {}
+                for p in params:
+                    if p.numel():
+                        found.setdefault(p.untyped_storage().data_ptr(), p)
+                cached = self._ptrs[id(module)] = (epoch, found)
+            return cached[1].get(ptr)
+        for p in params:
+            if p.numel() and p.untyped_storage().data_ptr() == ptr:
+                return p
+        return None
 
     def _frozen_cast(self, t: torch.Tensor, base: torch.Tensor, params) -> WeightRef | None:
         """A reference when ``base`` is an autocast cast of a frozen parameter (LoRA base).
