@@ -39,6 +39,9 @@ class Bucket:
     overshot: bool = False  # a plan of this bucket peaked over the budget: no credit from then on
     checked: Plan | None = None  # the last plan whose peak was checked
     fit_actions: dict[str, str] | None = None  # of the last checked plan within the budget
+    # the bucket whose profile this one's times were scaled from (NOTE [ A bucket learns from
+    # the others ] in profile.py)
+    source: tuple[int, int] | None = None
 
 
 # NOTE [ Priced for the bucket's longest ]

@@ -60,6 +60,7 @@ allocated peak).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -79,6 +80,10 @@ from ds_hilore.runtime.memory import DevicePeak, in_use_bytes
 logger = logging.getLogger("ds_hilore")
 
 
+class _Stopped(Exception):
+    """Ends a pass's forward at the last HiLoRe layer (NOTE [ A pass stops at the last layer ])."""
+
+
 @dataclasses.dataclass
 class _Job:
     kind: str  # "calibrate" | "validate" | "hold_out"
@@ -92,6 +97,11 @@ class _Job:
     exposure: dict | None = None  # unit -> E_{u,i} per sequence of the microbatch (held-out)
     mass: list | None = None  # M_i = sum_t |ω_{i,t}| per sequence (NOTE [ Risk in step units ])
     predicted: list | None = None  # the caller's predicted exposure per sequence (``expect``)
+    # NOTE [ The exact gradient from training ]: the microbatch runs exact and its gradient
+    # of the decoder layers' parameters, as the training backward makes it, is the exact one
+    capture: bool = False
+    exact: dict | None = None  # parameter position -> its exact gradient, as captured
+    measured: tuple | None = None  # what ``_calibration`` measured at the end of its backward
 
 
 class MatchedPasses:
@@ -117,13 +127,22 @@ class MatchedPasses:
         self._meter: DevicePeak | None = None  # CUDA: the window of the passes in progress
         self._peak_now = 0  # CPU: the highest reading of the passes in progress
         self._warned_pieces = False
+        self.fresh = False  # the forward in progress owns ``job`` (``begin_forward``)
+        self._capture_bytes: int | None = None  # one gradient of the layers' trainable parameters
 
     # ------------------------------------------------------------------ selection
-    def begin_forward(self, args, kwargs, bucket) -> None:
+    def begin_forward(self, args, kwargs, bucket, replayable: bool = True) -> bool:
+        """Choose the matched pass of the forward beginning now, if any. Returns True when its
+        microbatch must run exact (NOTE [ The exact gradient from training ]). The step's
+        first microbatch that calibrates, once its backward came, is the step's calibration:
+        later forwards of the step get no job."""
         s = self.scheduler
+        self.fresh = False
+        if self.job is not None and self.job.kind == "calibrate" and self.job.grad is not None:
+            return False
         self.job = None
-        if bucket.plan is None or not self._supported():
-            return
+        if not replayable or bucket.plan is None or not self._supported():
+            return False
         kind = None
         if self.hold_out and s.runtime._codec is not None:
             kind, self.hold_out = "hold_out", False
@@ -133,12 +152,29 @@ class MatchedPasses:
               and (self.revalidate or s.steps % s.config.validation_interval == 0)):
             kind = "validate"
         if kind is None:
-            return
+            return False
         cuda = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())] \
             if torch.cuda.is_available() else None
-        self.job = _Job(kind, tuple(args), dict(kwargs), torch.get_rng_state(), cuda, bucket)
+        capture = kind == "calibrate" and self._capture_fits(bucket)
+        self.job = _Job(kind, tuple(args), dict(kwargs), torch.get_rng_state(), cuda, bucket,
+                        capture=capture)
+        self.fresh = True
         if kind == "validate":
             self.step_jobs.append(self.job)
+        return capture
+
+    def _capture_fits(self, bucket) -> bool:
+        """Whether one copy of the decoder layers' trainable gradients is small enough to hold
+        from the calibration microbatch's backward to the optimizer step: at most 1/16 of what
+        GC's microbatch keeps (LoRA: a few MB; full fine-tuning: the two-pass form)."""
+        if self._zero3:  # its gathers are DeepSpeed's own inside a backward: the two-pass form
+            return False
+        if self._capture_bytes is None:
+            params = [p for g in self._layer_params() for p in g]
+            self._capture_bytes = sum(numel(p) * p.element_size() for p in params)
+        profile = bucket.profile
+        activations = max(0, profile.gc_peak_bytes - profile.baseline_bytes) if profile else 0
+        return 0 < self._capture_bytes <= activations // 16
 
     def top_grad(self, mb, grad: torch.Tensor) -> None:
         """``mb``'s backward reached its last layer: its gradient there goes to the pass chosen
@@ -164,6 +200,52 @@ class MatchedPasses:
                     sliced = [st.row_states() for st in frame.units[pos].stored if st.sliceable]
                     states = next((x for x in sliced if "L" in x), sliced[0] if sliced else None)
                 job.executed[unit.name] = (action, states)
+        if job.capture:
+            self._capture(job, mb)
+
+    def _capture(self, job: _Job, mb) -> None:
+        """NOTE [ The exact gradient from training ]
+        A calibration pass compares a gradient with some units in L against the exact one. The
+        exact one need not be a pass of its own: the microbatch chosen for calibration runs its
+        plan with every packed unit recomputed instead (H, R and E are exact), and a hook on
+        each trainable parameter of the decoder layers keeps the gradient the training backward
+        hands it (before it is accumulated: this microbatch's alone, whatever DeepSpeed's hooks
+        do next). At the optimizer step a single pass -- the units of the calibration subset in
+        L, the others as the microbatch ran them -- is compared with it as its gradients arrive.
+        That halves the passes, and the pass stops at the last HiLoRe layer (no LM head, no
+        logits: NOTE [ A pass stops at the last layer ]), so a calibration costs about one
+        forward and backward of the decoder layers. Held from the backward to the step: one
+        gradient of the layers' trainable parameters, taken only where that is small
+        (``_capture_fits``). Where the layers' parameters get gradient from anywhere but the
+        last layer's output (hidden states recorded for the loss), the training gradient is not
+        the pass's exact gradient: the two-pass form runs instead."""
+        if any(frame.check_every_layer for frame in mb.live_frames()):
+            job.capture = False
+            return
+        params = [p for g in self._layer_params() for p in g]
+        job.exact = {}
+        handles = [p.register_hook(functools.partial(self._keep_exact, job, i))
+                   for i, p in enumerate(params)]
+
+        def measure():
+            for handle in handles:
+                handle.remove()
+            begin = time.perf_counter()
+            self._open_meter()
+            try:
+                with torch.enable_grad():  # a backward's callbacks run without it
+                    job.measured = self._calibration(job)
+            finally:
+                self._close_meter()
+                self.seconds += time.perf_counter() - begin
+                job.exact = {}  # the pass is done: nothing of it is held to the step
+
+        torch.autograd.Variable._execution_engine.queue_callback(measure)
+
+    def _keep_exact(self, job: _Job, i: int, grad: torch.Tensor) -> None:
+        with self.scheduler.metering.held():  # the pass's, not the plan's (NOTE [ Tracked on CPU ])
+            previous = job.exact.get(i)
+            job.exact[i] = grad.detach().clone() if previous is None else previous + grad
 
     def _supported(self) -> bool:
         """False under ZeRO-3 without DeepSpeed's parameter offload to gather through (a model
@@ -197,12 +279,11 @@ class MatchedPasses:
         if job.kind == "hold_out":
             self.ranking = self._rank_slices(job)
         elif job.kind == "calibrate":
-            if not self._exposed_anywhere(job):  # NOTE [ A calibration with nothing exposed ]
+            # NOTE [ The exact gradient from training ]: measured at the end of its backward
+            measured = job.measured if job.exact is not None else self._calibration(job)
+            if measured is None:
                 return
-            group, names, _ = self._calibration_subset(job.bucket)
-            eps = self._least(_exposed_eps(job, names))  # the same risk model on every rank
-            actions = {n: ("L" if n in names else "R") for n in job.executed}
-            error = self._agree(self._errors(job, [(actions, {})])[0])
+            group, error, eps = measured
             if not self._measured(error, "calibration", finite=True):  # the next one again
                 return
             s.risk.add(group, error, eps)
@@ -219,6 +300,19 @@ class MatchedPasses:
                                "%.4f; the risk budget is tightened to %.4f.", error,
                                s.config.grad_error_tolerance, s._risk_budget())
         s.replan()
+
+    def _calibration(self, job: _Job) -> tuple[str, float, float] | None:
+        """(group, measured error, sum_u eps_u E_u / M_m) of one calibration pass: a random half
+        of one group's packable units in L (NOTE [ Matched passes ]); None when nothing of the
+        microbatch was exposed on any rank. The same on every rank."""
+        if not self._exposed_anywhere(job):  # NOTE [ A calibration with nothing exposed ]
+            return None
+        group, names, _ = self._calibration_subset(job.bucket)
+        eps = self._least(_exposed_eps(job, names))  # the same risk model on every rank
+        actions = {n: ("L" if n in names else "R") for n in job.executed}
+        if job.exact is not None:  # NOTE [ The exact gradient from training ]
+            return group, self._agree(self._against_captured(job, actions)), eps
+        return group, self._agree(self._errors(job, [(actions, {})])[0]), eps
 
     def _errors(self, job: _Job, variants: list[tuple[Any, dict]]) -> list[float]:
         """This rank's ||g - g_exact|| / ||g_exact|| of ``job`` under each variant (actions,
@@ -244,6 +338,23 @@ class MatchedPasses:
                 num[v] += sum(squared(e) for i, e in exact.items() if i not in seen)  # planned: 0
             exact.clear()
         return [ratio(n, den[0]) for n in num]
+
+    def _against_captured(self, job: _Job, actions: dict) -> float:
+        """This rank's ||g - g_exact|| / ||g_exact|| of ``job`` under ``actions``, against the
+        gradient captured from its training backward: one pass, stopped at the last layer."""
+        params = [p for g in self._layer_params() for p in g]
+        exact = job.exact
+        num = [0.0]
+        seen: set[int] = set()
+
+        def compare(i, g):
+            seen.add(i)
+            num[0] += squared(minus(g, exact.get(i)))
+
+        self._pass(job, actions, {}, params, compare, stop=not self._zero3)
+        num[0] += sum(squared(e) for i, e in exact.items() if i not in seen)  # planned: 0
+        self.pieces = max(self.pieces, 1)
+        return ratio(num[0], sum(squared(e) for e in exact.values()))
 
     def _validate_step(self, jobs: list[_Job]) -> float:
         """The step's measured error over ``jobs`` (its microbatches) and every rank's
@@ -306,7 +417,11 @@ class MatchedPasses:
             exposure = job.exposure.get(name) or \
                 (job.mass if job.mass and len(job.mass) == batch else [1.0] * batch)
             order = sorted(range(batch), key=lambda i: exposure[i])
-            halves = [order[:batch // 2], order[batch // 2:]] if cost.sliceable and batch > 1 else [order]
+            # halves wherever the bucket has several sequences, whatever this rank's batch: every
+            # rank runs the same passes, whose errors are agreed (NOTE [ Uneven batches ] in
+            # scheduler.py); a rank's empty half packs nothing there and measures 0
+            halves = [order[:batch // 2], order[batch // 2:]] \
+                if cost.sliceable and job.bucket.key[0] > 1 else [order]
             for rows in halves:
                 group = group_of(cost.kind, cost.layer, n_layers)
                 exposed = sum(exposure[i] for i in rows) / mass if mass > 0 else share(exposure, rows)
@@ -344,15 +459,29 @@ class MatchedPasses:
 
     # ------------------------------------------------------------------ one pass
     def _pass(self, job: _Job, actions, rows, params: list[torch.Tensor],
-              on_grad: Callable[[int, torch.Tensor], None]) -> None:
+              on_grad: Callable[[int, torch.Tensor], None], stop: bool = False) -> None:
         """``job``'s microbatch under ``actions`` / ``rows``, and the backward from the last
         layer's output to ``params``: ``on_grad(i, gradient of params[i])`` as each arrives,
         none of them kept by the pass (NOTE [ What a pass holds ]). A parameter that gets no
-        gradient is never seen."""
+        gradient is never seen. ``stop``: the forward ends at the last HiLoRe layer.
+
+        NOTE [ A pass stops at the last layer ]
+        A pass needs the last HiLoRe layer's output and nothing after it: the model's final
+        norm, LM head and logits (B, T, V) -- often the largest tensor of the step -- are
+        neither computed nor held when the layer's forward hook ends the forward there (an
+        exception the pass catches; the model's own end-of-forward hook runs as for any forward
+        that raises). Not under ZeRO-3, whose module hooks gather and release parameters around
+        every module's forward and must see each one end."""
         runtime = self.scheduler.runtime
         last = next(layer for layer in runtime._layers if layer.index == runtime._last_active)
         captured = {}
-        handle = last.module.register_forward_hook(lambda m, a, out: captured.setdefault("h", out))
+
+        def at_last(module, args, out):
+            captured.setdefault("h", out)
+            if stop:
+                raise _Stopped
+
+        handle = last.module.register_forward_hook(at_last)
         arrivals = [p.register_hook(self._arrival(i, on_grad)) for i, p in enumerate(params)]
         saved = (dict(runtime._plan), dict(runtime._rows), runtime._plan_source)
         devices = list(range(torch.cuda.device_count())) if job.cuda_rng is not None else []
@@ -364,7 +493,10 @@ class MatchedPasses:
                 for d, state in zip(devices, job.cuda_rng or []):
                     torch.cuda.set_rng_state(state, d)
                 runtime.apply_plan(actions, rows)
-                runtime.model(*job.args, **job.kwargs)
+                try:
+                    runtime.model(*job.args, **job.kwargs)
+                except _Stopped:
+                    pass
                 hidden = captured.pop("h")
                 hidden = hidden if isinstance(hidden, torch.Tensor) else next(
                     x for x in hidden if isinstance(x, torch.Tensor))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from typing import Iterator
 
 import torch
@@ -254,6 +255,7 @@ class Metering:
             self.close_tracker()
             return
         self.check_partial, self.check_length = ran != "whole", length
+        self.s.warm_up("check")
         self.check = (bucket, bucket.plan,
                       DevicePeak(device) if device.type == "cuda" else self.tracker)
 
@@ -459,7 +461,9 @@ class Metering:
         if codec is None or self.codec_warm:
             return
         self.codec_warm = True
+        begin = time.perf_counter()
         codec.warmup((_activation_dtype(self.s.runtime.model, device),), device)
+        self.s.warm_up("compile_s", time.perf_counter() - begin)
 
     def grown(self) -> dict[int, int]:
         """Step -> what appeared in use between its start and this step's."""

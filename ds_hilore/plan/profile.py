@@ -419,20 +419,35 @@ class Profiler:
         self.layers = 0  # HiLoRe's layers
         self.baselines: list[int] = []
         self.steps: list[int] = []  # the step each sample was taken in
+        self.tokens: list[int] = []  # the tokens (sequences x positions) of each sample
         self.seconds = 0.0
 
     @property
     def done(self) -> bool:
         return len(self.samples) >= self.repeats
 
-    def sample(self, units, device: torch.device) -> _Sample:
-        return _Sample(units, device)
+    def ready(self, timed: int) -> bool:
+        """Whether the bucket can be planned with ``timed`` timed samples of the run (every
+        bucket's, NOTE [ A bucket learns from the others ]): once it has its own measured
+        microbatch and the run has the timings ``repeats`` asks for, or once it has them all."""
+        return self.done or (bool(self.samples) and timed >= max(1, self.repeats - 1))
+
+    def timed(self) -> list[tuple[int, list[UnitCost]]]:
+        """(tokens, unit costs) of the samples whose times count: all but the first (a new
+        shape's first microbatch warms the allocator up)."""
+        return list(zip(self.tokens[1:], self.samples[1:]))
+
+    def sample(self, units, device: torch.device, tokens: int = 0) -> _Sample:
+        sample = _Sample(units, device)
+        sample.tokens = tokens
+        return sample
 
     def add(self, sample: _Sample, layer_positions: dict[int, int], peak: int | None, baseline: int,
             step: int = 0, phases: dict | None = None) -> None:
         """``phases``: the tracked window's peak per layer index (None: before the layers'
         backward), where it was read; kept as what each leaves under the window's own peak."""
         self.samples.append(sample.finish(layer_positions))
+        self.tokens.append(getattr(sample, "tokens", 0))
         self.peaks.append(peak)
         self.layers = len(layer_positions)
         top = max(phases.values()) if phases and peak is not None else None
@@ -443,22 +458,27 @@ class Profiler:
         self.steps.append(step)
         self.seconds += sample.overhead_s
 
-    def result(self, grown: dict[int, int] | None = None) -> BucketProfile:
+    def result(self, grown: dict[int, int] | None = None,
+               timed: list[tuple[int, list[UnitCost]]] | None = None) -> BucketProfile:
         """``grown``: step -> the memory that appeared after that step's start, up to now
         (NOTE [ Memory that appears after profiling ] in plan/metering.py): each sample's peak
         and baseline are raised by it, so samples from before an optimizer's first step are
-        read as if taken now."""
+        read as if taken now. ``timed``: the run's timed samples, every bucket's (NOTE [ A
+        bucket learns from the others ]); the times are theirs, per token, at this bucket's
+        tokens, where this bucket has fewer timed samples of its own than ``repeats`` asks."""
         used = self.samples[1:] if len(self.samples) > 1 else self.samples
         units = []
         for per_unit in zip(*used):
             first = per_unit[0]
             merged = dataclasses.replace(first)
-            for field in ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s", "rel_error"):
+            for field in _TIMES + ("rel_error",):
                 setattr(merged, field, statistics.median(getattr(u, field) for u in per_unit))
             for field in ("h_bytes", "l_bytes", "ff_bytes", "derived_bytes", "nonfinite_tensors"):
                 setattr(merged, field, max(getattr(u, field) for u in per_unit))  # exact: the largest
             exclude_nonfinite(merged)
             units.append(merged)
+        if timed and not self.done:
+            units = per_token_times(units, timed, statistics.median(self.tokens) or 1)
         shift = [(grown or {}).get(k, 0) for k in self.steps]
         top, layers = self._rooms(self.layers)
         return BucketProfile(self.key, units,
@@ -478,6 +498,37 @@ class Profiler:
                 if p is not None and phases is not None and all(k in phases for k in keys)]
         rooms = [min(phases[k] for phases in read) if read else 0 for k in keys]
         return rooms[0], rooms[1:]
+
+
+_TIMES = ("recompute_s", "capture_s", "pack_s", "unpack_s", "derive_s")
+
+
+def per_token_times(units: list[UnitCost], timed: list[tuple[int, list[UnitCost]]],
+                    tokens: float) -> list[UnitCost]:
+    """NOTE [ A bucket learns from the others ]
+    Every shape bucket used to be profiled from scratch: ``profile_microbatches`` all-R
+    microbatches of its own (the first a warm-up, the rest timed), then leave-one-out; on a run
+    whose lengths vary per step, each of three buckets paid it again, and none was planned
+    until one length had come three times. What depends on the shape is mostly proportional
+    to its tokens -- a unit's recompute, codec and bookkeeping times (its ops are per token;
+    attention's quadratic part is small at these lengths) -- while what bounds memory must be
+    measured, never extrapolated. So the run's timed samples (every bucket's microbatches but
+    each bucket's first) are pooled per token: a bucket is planned once it has one profiled
+    microbatch of its own, which measures every unit's bytes, the codec's error and GC's
+    whole-process peak (and on CPU its phases), and the run has ``profile_microbatches - 1``
+    timed samples; each unit's times are the pool's median seconds per token at the
+    bucket's tokens (times only rank the options; the plan's peak is checked as every plan's
+    is). Leave-one-out runs once per run, on the first bucket planned: its verdict (the layers
+    that do not pay) holds for the others (``Scheduler._start_loo``)."""
+    out = []
+    for k, cost in enumerate(units):
+        theirs = [(n, sample[k]) for n, sample in timed
+                  if n > 0 and k < len(sample) and sample[k].name == cost.name]
+        if theirs:
+            cost = dataclasses.replace(cost, **{f: tokens * statistics.median(
+                getattr(c, f) / n for n, c in theirs) for f in _TIMES})
+        out.append(cost)
+    return out
 
 
 def _digest(rng: RngState) -> int:

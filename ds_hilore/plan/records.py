@@ -35,6 +35,7 @@ def stats(scheduler) -> dict[str, Any]:
             "grad_error_measured_microbatch": s.get("grad_error_measured_microbatch"),
             "exposure_quartiles": quartile_shares(s.get("exposure_slices")),
             "predicted_microbatches": s.get("predicted_microbatches", 0),
+            "warm_up": dict(s.get("warm_up") or {}),  # NOTE [ Warm-up, counted ] in scheduler.py
             "alloc_s": s.get("alloc_s", scheduler.alloc_s),
             "risk_budget": scheduler.config.grad_error_tolerance * scheduler.tighten,
             "plans": {_name(k): (b.plan.to_dict() if b.plan else None) for k, b in buckets.items()},

@@ -64,6 +64,7 @@ class Scheduler:
         self.predicted_zero = False  # the microbatch in progress runs all R, every rank's predicted 0
         self.bucket: Bucket | None = None  # of the forward in progress
         self.rows_here = 1  # sequences of the forward in progress on this rank (Uneven batches)
+        self.length_here = 1  # ... and its positions
         self.longest = 0  # the forward in progress's length, the max over ranks
         self.metering = Metering(self)  # the memory windows (plan/metering.py)
         self.passes = MatchedPasses(self)
@@ -88,23 +89,32 @@ class Scheduler:
         self.metering.end_windows()
         self.metering.begin_step()  # NOTE [ Memory that appears after profiling ]
         self.rows_here, length = input_shape(args, kwargs)
+        self.length_here = length  # this rank's (a profile sample's tokens)
         key, shortest = self._bucket_key(self.rows_here, length)
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = Bucket(key, Profiler(key, self.config.profile_microbatches))
         self.bucket = bucket
-        if bucket.plan is None and not bucket.profiler.done:  # profiled now: its shortest counts
+        ready = bucket.plan is None and bucket.profiler.ready(len(self._timed()))
+        if bucket.plan is None and not ready:  # profiled now: its shortest counts
             bucket.shortest = min(bucket.shortest or shortest, shortest)
-        if bucket.plan is None and bucket.profiler.done:
+        if ready:
             self._plan_bucket(bucket)
             self._start_loo(bucket)
         if bucket.loo is not None and bucket.loo.done:
             self._finish_loo(bucket)
         self.timing = None
+        exact = self.passes.begin_forward(args, kwargs, bucket, replayable)
+        if self.passes.fresh and self.passes.job.kind == "calibrate":
+            self.warm_up("calibration")
         if bucket.plan is None:  # NOTE [ Profiling ]: measured all-R, as GC
+            self.warm_up("profiling")
             self.runtime.apply_plan("R")
             self.metering.open_profile()
+        elif exact:  # NOTE [ The exact gradient from training ] in calibrate.py: neither timed nor checked
+            self._apply(bucket, exact=True)
         elif bucket.loo is not None:  # NOTE [ Leave-one-out ]: the plan, or it minus one layer
+            self.warm_up("leave-one-out")
             variant = bucket.loo.next_variant()
             ran = self._apply(bucket, recompute_layer=None if variant == LeaveOneOut.WARM_UP else variant)
             if variant == LeaveOneOut.WARM_UP:  # the plan itself, and its timing is not used
@@ -112,10 +122,6 @@ class Scheduler:
             self.timing = (bucket.loo, variant, self._now(), self.rows_here * length)
         else:
             self.metering.open_check(bucket, self.longest, self._apply(bucket))
-        if replayable:
-            self.passes.begin_forward(args, kwargs, bucket)
-        else:
-            self.passes.job = None
         self.expected = None  # a prediction is for this microbatch only
         self.alloc_s += time.perf_counter() - begin
 
@@ -123,12 +129,14 @@ class Scheduler:
         if self.passes.running or self.bucket is None:
             return
         mb.plan_key = self.bucket.key
-        mb.pass_job = self.passes.job  # the matched pass chosen at its forward, if any
+        mb.pass_job = self.passes.job if self.passes.fresh else None  # chosen at its forward
+        mb.norms_all = mb.pass_job is not None and mb.pass_job.capture
         mb.timing, self.timing = self.timing, None
         mb.derive = mb.derive and self.derives(self.bucket)
         mb.predicted, self.applied = (self.applied if self.bucket.plan is not None else None), None
         if self.bucket.plan is None:
-            mb.profile = self.bucket.profiler.sample(self.runtime.units, self._device())
+            mb.profile = self.bucket.profiler.sample(self.runtime.units, self._device(),
+                                                     tokens=self.rows_here * self.length_here)
             self.metering.begin_microbatch(mb.profile)
 
     def after_coefficients(self, mb) -> None:
@@ -260,9 +268,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
     def _plan_bucket(self, bucket: Bucket, profiled: bool = True) -> None:
+        self.warm_up("planning")
         if profiled:
             # NOTE [ Memory that appears after profiling ] in plan/metering.py
-            bucket.profile = self._agree(bucket.profiler.result(self.metering.grown()))
+            bucket.profile = self._agree(bucket.profiler.result(self.metering.grown(), self._timed()))
             self.metering.planned(bucket)
         profile = bucket.profile
         device = self._device()
@@ -298,7 +307,7 @@ class Scheduler:
             if bucket.profile is not None:
                 self._plan_bucket(bucket, profiled=False)
 
-    def _apply(self, bucket: Bucket, recompute_layer: int | None = None) -> str:
+    def _apply(self, bucket: Bucket, recompute_layer: int | None = None, exact: bool = False) -> str:
         """The bucket's plan for this microbatch: splits by predicted exposure (the most exposed
         sequences H, the least exposed L), sequences predicted 0 elided (E) and the memory they
         leave spent (``_plan_for_rows``; all R when every one is: NOTE [ A microbatch predicted
@@ -336,6 +345,10 @@ class Scheduler:
                 if elide:
                     per_row = ["E" if i not in kept else a for i, a in enumerate(per_row)]
                 rows[name] = tuple(per_row)
+        if exact:  # NOTE [ The exact gradient from training ] in calibrate.py
+            for name in [n for n, a in actions.items() if a == "L" or "L" in rows.get(n, ())]:
+                actions[name] = "R"
+                rows.pop(name, None)
         self.applied = (expected, self.expected_step, self.expected_exposed) if expected else None
         if expected:  # stats: how many microbatches were planned from a prediction
             stats = self.step_stats
@@ -343,7 +356,7 @@ class Scheduler:
         self.runtime.apply_plan(actions, rows)
         if self.predicted_zero:  # the same on every rank (a re-solved plan all R may not be;
             return "nothing"  # a bucket's plan all R is never checked: awaits_check)
-        return "whole" if plan is bucket.plan and len(kept) == batch else "part"
+        return "whole" if plan is bucket.plan and len(kept) == batch and not exact else "part"
 
     def _plan_for_rows(self, bucket: Bucket, expected: list[float] | None) -> Plan:
         """NOTE [ Freed memory is spent ]
@@ -415,6 +428,12 @@ class Scheduler:
         return self.row_plans[key][1]
 
     def _start_loo(self, bucket: Bucket) -> None:
+        source = next((b for b in self.buckets.values() if b.loo is not None or b.validated), None)
+        if source is not None and source is not bucket:  # NOTE [ A bucket learns from the others ]
+            bucket.source = source.key  # in profile.py: leave-one-out runs once per run
+            bucket.validated = source.validated  # else given when the other's ends (_finish_loo)
+            self._inherit(bucket, source.excluded)
+            return
         layers = sorted({c.layer for c in bucket.profile.units if bucket.plan.actions[c.name] != "R"})
         repeats = self.config.plan_validation_microbatches
         if layers and repeats:
@@ -429,11 +448,26 @@ class Scheduler:
             loo.set_flat(collective.all_reduce_max_float(loo.flat()))
         bucket.loo_utilities, bucket.validated = loo.utilities(), True
         dropped = loo.dropped()
+        for other in self.buckets.values():  # NOTE [ A bucket learns from the others ]
+            if other.source == bucket.key and other.plan is not None and not other.validated:
+                other.validated = True
+                self._inherit(other, dropped)
         if dropped:
             logger.info("ds_hilore: leave-one-out on %dx%d: layers %s save nothing under joint "
                         "execution (%s s); recomputed from now on.", *bucket.key, sorted(dropped),
                         {k: round(v, 4) for k, v in bucket.loo_utilities.items()})
             bucket.excluded |= dropped
+            self._plan_bucket(bucket, profiled=False)
+
+    def _timed(self) -> list:
+        """The run's timed profile samples, every bucket's (NOTE [ A bucket learns from the
+        others ] in profile.py)."""
+        return [x for b in self.buckets.values() for x in b.profiler.timed()]
+
+    def _inherit(self, bucket: Bucket, excluded: set[int]) -> None:
+        """Leave-one-out's verdict of another bucket: those layers recomputed here too."""
+        if excluded - bucket.excluded:
+            bucket.excluded |= excluded
             self._plan_bucket(bucket, profiled=False)
 
     def _end_timing(self, mb) -> None:
@@ -529,6 +563,16 @@ class Scheduler:
         layer = self.runtime._layers[0].module
         param = next(layer.parameters(), None)
         return param.device if param is not None else torch.device("cpu")
+
+    def warm_up(self, kind: str, amount: float = 1) -> None:
+        """NOTE [ Warm-up, counted ]
+        What the step did to learn rather than to train, by kind: microbatches profiled
+        (all R, metered op by op on CPU), microbatches whose plan's peak was checked (metered
+        too), leave-one-out's variants, calibration microbatches (run exact, and a matched pass
+        at the end of their backward), plans made, and the seconds the codec's compilation
+        took. ``stats["warm_up"]``; empty for a steady step."""
+        work = self.step_stats.setdefault("warm_up", {})
+        work[kind] = work.get(kind, 0) + amount
 
     def _reset_step(self) -> None:
         self.alloc_s = 0.0

@@ -205,7 +205,7 @@ class LayerFrame:
             first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
             if first is not None:
                 self.boundary.add(first.untyped_storage().data_ptr())
-                if self.plan.actions[pos] != "R" and self.ctx.codec is not None:
+                if (self.plan.actions[pos] != "R" or self.ctx.norms_all) and self.ctx.codec is not None:
                     self.units[pos].token_norms = input_norms(first)  # exposure's token weights
                 if self.ctx.profile is not None and self.ctx.codec is not None:
                     self.ctx.profile.unit_input(self, pos, first)  # the norms H / L would hold

@@ -118,7 +118,8 @@ class Elision:
         mb.fall_back(checks, failed)
         for frame in frames:
             self._elide(frame, to_r, all_zero, source, zero, segments, keep)
-        kept = {u.name for f in frames for u, a in zip(f.layer.units, f.plan.actions) if a != "R"}
+        kept = {u.name for f in frames for u, a in zip(f.layer.units, f.plan.actions)
+                if a != "R" or mb.norms_all}
         exposed = {name: values for name, values in zip(unit_exposure, read[3:]) if name in kept}
         mb.exposure.update({name: unit_exposure[name] for name in exposed})
         mb.exposure_read = (mass_read, {name: values for name, values in exposed.items()
@@ -350,14 +351,15 @@ def _late_error() -> HiLoReError:
 
 
 def _unit_exposure(frames, abs_omega: torch.Tensor, cols: int, offset, segments) -> dict:
-    """E_{u,i} on the device of every unit kept (H/L) with token norms: unit name -> (B,), or
-    (K,) per segment of a packed row for the calls that have the microbatch's segments."""
+    """E_{u,i} on the device of every unit with token norms (those kept H/L, and every unit of
+    a microbatch that keeps them all: ``Microbatch.norms_all``): unit name -> (B,), or (K,) per
+    segment of a packed row for the calls that have the microbatch's segments."""
     covered = exposure.window(abs_omega, cols, offset)
     out = {}
     for frame in frames:
         for pos, unit in enumerate(frame.layer.units):
             norms = frame.units[pos].token_norms
-            if frame.plan.actions[pos] == "R" or norms is None or norms.shape != abs_omega.shape:
+            if norms is None or norms.shape != abs_omega.shape:
                 continue
             weights = exposure.token_weights(norms, covered)
             out[unit.name] = (exposure.segment_exposure(abs_omega, weights, segments)

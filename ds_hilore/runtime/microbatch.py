@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from typing import Any
@@ -14,6 +15,7 @@ from ds_hilore.runtime.reads import read_once
 from ds_hilore.runtime.storage import Counters
 
 logger = logging.getLogger("ds_hilore")
+_EPOCHS = itertools.count()
 
 
 class Microbatch:
@@ -21,6 +23,7 @@ class Microbatch:
 
     def __init__(self, index: int, runtime):
         self.index = index
+        self.epoch = next(_EPOCHS)  # unique for the process (NOTE [ Aliases, by address ] in weights.py)
         self.runtime = runtime  # its units, and its collective when several ranks run
         self.settled = False  # the checks left at the backward were read (settle)
         self.codec = runtime._codec
@@ -53,6 +56,10 @@ class Microbatch:
         self.plan_key = None  # what the policy planned this microbatch with
         self.timing = None  # the policy's timing of this microbatch (leave-one-out), if any
         self.pass_job = None  # the policy's matched pass of this microbatch, if any
+        # token norms of its R units too: a calibration's exposure reads every unit the plan
+        # would keep, while the microbatch itself runs exact (NOTE [ The exact gradient from
+        # training ] in plan/calibrate.py)
+        self.norms_all = False
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)
@@ -66,9 +73,9 @@ class Microbatch:
         does it in the forward, R's re-run does not (NOTE [ Timed the same way ] in
         plan/profile.py)."""
         if self.profile is None:
-            return self._weights(t, module)
+            return self._weights(t, module, self.epoch)
         begin = self.profile.host_now()
-        ref = self._weights(t, module)
+        ref = self._weights(t, module, self.epoch)
         frame = self.frame(self.last_layer)
         if frame is not None:
             self.profile.weight_recognition(frame.layer.units[frame.current],

@@ -1,0 +1,125 @@
+"""HiLoRe's warm-up, per run rather than per shape (NOTE [ A bucket learns from the others ] in
+ds_hilore/plan/profile.py, NOTE [ Warm-up, counted ] in ds_hilore/plan/scheduler.py).
+
+A run whose lengths vary per step meets several shape buckets. The first is profiled on
+``profile_microbatches`` microbatches; every later one on a single microbatch of its own (its
+bytes and GC's peak measured there, its times the run's per token), is planned within its
+budget at its own longest length, and takes leave-one-out's verdict from the first instead of
+timing variants again. Each step says what it spent on learning (``stats["warm_up"]``).
+
+Times are never asserted: the plans are made on fixed profile times where a choice is checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import VOCAB, equal_utilities, one_torch_thread, planner_model
+
+import ds_hilore
+from ds_hilore.grpo import group_advantages, policy_loss
+from ds_hilore.plan.profile import UnitCost, per_token_times
+from ds_hilore.runtime.memory import PeakMeter
+
+B = 4
+CONFIG = {"codec_backend": "eager", "min_pack_numel": 1024, "profile_microbatches": 3,
+          "calibration_microbatches": 0, "plan_validation_microbatches": 1,
+          "memory_budget": 1.2}
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
+
+
+def _microbatch(model, step: int, length: int) -> None:
+    g = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(3, VOCAB, (B, length), generator=g)
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.25]), group_size=2)
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    policy_loss(logp, logp.detach(), advantages, torch.ones_like(logp), model=model).loss.backward()
+
+
+def _step(runtime, model, step: int, length: int) -> dict:
+    _microbatch(model, step, length)
+    runtime.end_step()
+    model.zero_grad(set_to_none=True)
+    return runtime.stats
+
+
+LENGTHS = (32, 32, 32, 32, 32, 32, 32, 32, 64, 64, 64)
+
+
+@pytest.fixture(scope="module")
+def run():
+    """Bucket 4x32 profiled on three microbatches, planned at the fourth and timed by
+    leave-one-out (the warm-up run, the plan, a variant per layer it keeps: two), which ends at
+    the eighth; then 4x64: profiled on its first microbatch, planned at its second (at its
+    longest length, 64, metered here), steady at its third."""
+    mp = pytest.MonkeyPatch()
+    equal_utilities(mp)  # every plan keeps what fits, whatever the load
+    model = planner_model()
+    runtime = ds_hilore.attach(model, CONFIG)
+    scheduler = runtime.policy
+    got = {"warm_up": []}
+    try:
+        for step, length in enumerate(LENGTHS[:-2]):
+            got["warm_up"].append(_step(runtime, model, step, length)["warm_up"])
+        got["timed"] = scheduler._timed()
+        with PeakMeter("cpu") as meter:  # the long bucket's plan, at its longest length
+            got["warm_up"].append(_step(runtime, model, len(LENGTHS) - 2, 64)["warm_up"])
+        got["peak"] = meter.peak_bytes
+        got["warm_up"].append(_step(runtime, model, len(LENGTHS) - 1, 64)["warm_up"])
+        got["short"], got["long"] = scheduler.buckets[(B, 32)], scheduler.buckets[(B, 64)]
+        yield got
+    finally:
+        runtime.detach()
+        mp.undo()
+
+
+def test_a_later_bucket_is_profiled_on_one_microbatch_of_its_own(run):
+    short, long = run["short"], run["long"]
+    assert len(short.profiler.samples) == 3 and len(long.profiler.samples) == 1
+    assert long.plan is not None and long.profile.key == (B, 64)
+    # its bytes are its own: every unit's at least twice the short bucket's (MLPs are per
+    # token; eager attention's scores grow like T^2)
+    mine = {c.name: c for c in long.profile.units}
+    for cost in short.profile.units:
+        assert mine[cost.name].h_bytes >= 2 * cost.h_bytes > 0
+    # the run's timed samples: the short bucket's 2nd and 3rd
+    assert [n for n, _ in run["timed"]] == [B * 32, B * 32]
+
+
+def test_times_are_the_runs_per_token_at_the_buckets_tokens():
+    cost = UnitCost("layers.0.mlp", "mlp", 0, 1, recompute_s=9.0, pack_s=9.0, h_bytes=64)
+    timed = [(100, [UnitCost("layers.0.mlp", "mlp", 0, 1, recompute_s=1.0, pack_s=0.1)]),
+             (200, [UnitCost("layers.0.mlp", "mlp", 0, 1, recompute_s=3.0, pack_s=0.3)]),
+             (400, [UnitCost("layers.0.mlp", "mlp", 0, 1, recompute_s=4.0, pack_s=0.2)])]
+    (got,) = per_token_times([cost], timed, tokens=1000)
+    assert got.recompute_s == pytest.approx(1000 * 0.01)  # median of 0.01, 0.015, 0.01
+    assert got.pack_s == pytest.approx(1000 * 0.001)
+    assert got.h_bytes == 64  # bytes are the bucket's own, never scaled
+
+
+def test_a_later_bucket_plans_within_its_budget_at_its_longest_length(run):
+    long = run["long"]
+    assert long.budget_bytes is not None and any(a != "R" for a in long.plan.actions.values())
+    assert run["peak"] <= long.budget_bytes
+
+
+def test_leave_one_out_runs_once_per_run(run):
+    short, long = run["short"], run["long"]
+    assert short.validated and short.loo is None and short.loo_utilities is not None
+    assert long.source == short.key and long.validated and long.loo_utilities is None
+    assert short.excluded <= long.excluded
+    kept = {c.layer for c in short.profile.units if short.plan.actions[c.name] != "R"}
+    variants = sum(w.get("leave-one-out", 0) for w in run["warm_up"])
+    assert variants == 2 + len(kept | short.excluded)  # the warm-up run, the plan, a variant a layer
+
+
+def test_each_step_says_what_it_spent_on_learning(run):
+    work = run["warm_up"]
+    assert work[0]["profiling"] == 1 and work[0]["compile_s"] >= 0
+    assert work[1] == work[2] == {"profiling": 1}
+    assert work[3]["planning"] >= 1 and work[3]["leave-one-out"] == 1
+    assert work[8] == {"profiling": 1}  # 4x64's own microbatch
+    assert work[9]["planning"] >= 1 and "leave-one-out" not in work[9]
+    assert not {"profiling", "leave-one-out", "calibration"} & set(work[10])
