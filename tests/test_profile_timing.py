@@ -42,9 +42,9 @@ def test_bookkeeping_of_H_and_L_is_charged_to_them_and_weight_recognition_not_to
     recognize, derivable, norms = WeightRecognizer.__call__, LayerFrame._derivable, profiling.input_norms
     snapshot = RngState.__init__
 
-    def recognizing(self, t, module):
+    def recognizing(self, t, module, epoch=None):
         clock.t += RECOGNIZE
-        return recognize(self, t, module)
+        return recognize(self, t, module, epoch)
 
     def checking(self, pos, t):
         if sys._getframe(1).f_code.co_filename == profiling.__file__:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import VOCAB, equal_utilities, one_torch_thread, planner_model
+from models import VOCAB, equal_utilities, one_torch_thread, planner_model, tiny_model
 
 import ds_hilore
 from ds_hilore.grpo import group_advantages, policy_loss
 from ds_hilore.plan.profile import UnitCost, per_token_times
+from ds_hilore.plan.validate import LeaveOneOut
 from ds_hilore.runtime.memory import PeakMeter
 
 B = 4
@@ -45,34 +46,38 @@ def _step(runtime, model, step: int, length: int) -> dict:
     return runtime.stats
 
 
-LENGTHS = (32, 32, 32, 32, 32, 32, 32, 32, 64, 64, 64)
+LENGTHS = (32,) * 9 + (64,) * 5
+METERED = 10  # 4x64's first planned microbatch
 
 
 @pytest.fixture(scope="module")
 def run():
     """Bucket 4x32 profiled on three microbatches, planned at the fourth and timed by
-    leave-one-out (the warm-up run, the plan, a variant per layer it keeps: two), which ends at
-    the eighth; then 4x64: profiled on its first microbatch, planned at its second (at its
-    longest length, 64, metered here), steady at its third."""
+    leave-one-out (the warm-up run, then the plan, GC and a variant per layer it keeps, two),
+    which ends at the ninth; then 4x64: profiled on its first microbatch, planned at its second
+    (at its longest length, 64, metered here), its plan timed against GC on the next two, then
+    steady. GC is never faster here (its timing is left out: NOTE [ Never slower than GC ])."""
     mp = pytest.MonkeyPatch()
     equal_utilities(mp)  # every plan keeps what fits, whatever the load
+    mp.setattr(LeaveOneOut, "gc_not_slower", lambda self: False)
     model = planner_model()
     runtime = ds_hilore.attach(model, CONFIG)
     scheduler = runtime.policy
     got = {"warm_up": []}
     try:
-        for step, length in enumerate(LENGTHS[:-2]):
-            got["warm_up"].append(_step(runtime, model, step, length)["warm_up"])
-        got["timed"] = scheduler._timed()
-        with PeakMeter("cpu") as meter:  # the long bucket's plan, at its longest length
-            got["warm_up"].append(_step(runtime, model, len(LENGTHS) - 2, 64)["warm_up"])
-        got["peak"] = meter.peak_bytes
-        got["warm_up"].append(_step(runtime, model, len(LENGTHS) - 1, 64)["warm_up"])
+        for step, length in enumerate(LENGTHS):
+            if step == METERED:
+                got["timed"] = scheduler._timed()
+                with PeakMeter("cpu") as meter:  # the long bucket's plan, at its longest length
+                    got["warm_up"].append(_step(runtime, model, step, length)["warm_up"])
+                got["peak"] = meter.peak_bytes
+            else:
+                got["warm_up"].append(_step(runtime, model, step, length)["warm_up"])
         got["short"], got["long"] = scheduler.buckets[(B, 32)], scheduler.buckets[(B, 64)]
-        yield got
     finally:
         runtime.detach()
         mp.undo()
+    return got
 
 
 def test_a_later_bucket_is_profiled_on_one_microbatch_of_its_own(run):
@@ -108,11 +113,12 @@ def test_a_later_bucket_plans_within_its_budget_at_its_longest_length(run):
 def test_leave_one_out_runs_once_per_run(run):
     short, long = run["short"], run["long"]
     assert short.validated and short.loo is None and short.loo_utilities is not None
-    assert long.source == short.key and long.validated and long.loo_utilities is None
+    assert long.source == short.key and long.validated and long.loo_utilities == {}
     assert short.excluded <= long.excluded
     kept = {c.layer for c in short.profile.units if short.plan.actions[c.name] != "R"}
-    variants = sum(w.get("leave-one-out", 0) for w in run["warm_up"])
-    assert variants == 2 + len(kept | short.excluded)  # the warm-up run, the plan, a variant a layer
+    variants = sum(w.get("leave-one-out", 0) for w in run["warm_up"][:9])
+    assert variants == 3 + len(kept | short.excluded)  # the warm-up run, the plan, GC, a layer each
+    assert sum(w.get("leave-one-out", 0) for w in run["warm_up"][9:]) == 3  # warm-up, plan, GC
 
 
 def test_each_step_says_what_it_spent_on_learning(run):
@@ -120,6 +126,88 @@ def test_each_step_says_what_it_spent_on_learning(run):
     assert work[0]["profiling"] == 1 and work[0]["compile_s"] >= 0
     assert work[1] == work[2] == {"profiling": 1}
     assert work[3]["planning"] >= 1 and work[3]["leave-one-out"] == 1
-    assert work[8] == {"profiling": 1}  # 4x64's own microbatch
-    assert work[9]["planning"] >= 1 and "leave-one-out" not in work[9]
-    assert not {"profiling", "leave-one-out", "calibration"} & set(work[10])
+    assert work[9] == {"profiling": 1}  # 4x64's own microbatch
+    assert work[10]["planning"] >= 1 and work[10]["leave-one-out"] == 1
+    assert not {"profiling", "leave-one-out", "calibration", "planning"} & set(work[13])
+
+
+# ---- never slower than GC (NOTE [ Never slower than GC ] in ds_hilore/plan/validate.py) -------
+def test_gc_is_timed_with_the_plan_and_wins_when_it_is_no_slower():
+    loo = LeaveOneOut([0], repeats=2, gc=True)
+    order = [loo.next_variant() for _ in range(7)]
+    assert order == [LeaveOneOut.WARM_UP, None, LeaveOneOut.GC, 0, None, LeaveOneOut.GC, 0]
+    seconds = {LeaveOneOut.WARM_UP: 9.0, None: 1.0, LeaveOneOut.GC: 1.1, 0: 1.2}
+    for variant in order:
+        loo.record(variant, seconds[variant])
+    assert not loo.gc_not_slower() and loo.utilities() == pytest.approx({0: 0.2})  # GC: no layer
+    loo.times[LeaveOneOut.GC] = [1.3, 1.0]  # as fast as the plan's fastest: GC
+    assert loo.gc_not_slower()
+    assert not LeaveOneOut([0], repeats=2).gc_not_slower()  # not timed: the plan holds
+
+
+def _gc_grads(model, length: int, step: int) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(77)  # dropout
+    _microbatch(model, step, length)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_bucket_no_faster_than_gc_runs_as_gc_with_gcs_gradients(monkeypatch):
+    equal_utilities(monkeypatch)
+    monkeypatch.setattr(LeaveOneOut, "gc_not_slower", lambda self: True)  # whatever was timed
+    model, reference = tiny_model("qwen2", layers=2, hidden=64, intermediate=128), \
+        tiny_model("qwen2", layers=2, hidden=64, intermediate=128)
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    runtime = ds_hilore.attach(model, dict(CONFIG, profile_microbatches=1))
+    scheduler = runtime.policy
+    try:
+        step = 0
+        while scheduler.buckets.get((B, 32)) is None or not scheduler.buckets[(B, 32)].validated:
+            _gc_grads(model, 32, step)  # profiled, planned, leave-one-out with GC timed in it
+            runtime.end_step()
+            step += 1
+            assert step < 12
+        bucket = scheduler.buckets[(B, 32)]
+        assert bucket.gc_faster and any(a != "R" for a in bucket.plan.actions.values())
+        got, expected = _gc_grads(model, 32, 99), _gc_grads(reference, 32, 99)
+        runtime.end_step()
+    finally:
+        runtime.detach()
+    assert sorted(got) == sorted(expected)
+    assert [n for n in got if not torch.equal(got[n], expected[n])] == []
+    last = runtime.stats["microbatches"][-1]
+    assert last["actions"] == {"H": 0, "L": 0, "R": 4, "E": 0} and last["exact_zero_sequences"] == 0
+    assert runtime.stats["warm_up"] == {}
+
+
+@pytest.fixture(scope="module")
+def gc_fallback():
+    import os
+
+    from tests.launch import run_distributed
+    from tests.workers import gc_fallback_worker as worker
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    ShareMemCommBuilder().load()  # built once here, not concurrently in two ranks
+    cases = ["zero2:gc", "zero2:hilore", "zero3:gc", "zero3:hilore"]
+    ranks = run_distributed(worker.__file__, [a for c in cases for a in ("--case", c)], timeout=420)
+    for rank in ranks:
+        for case in cases:
+            if "error" in rank["cases"][case]:
+                pytest.fail(f"rank {rank['rank']}, case {case} raised:\n"
+                            f"{rank['cases'][case]['error']}", pytrace=False)
+    return ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_gc_wins_the_same_on_every_rank_and_trains_as_gc_bitwise(gc_fallback, stage):
+    for rank in gc_fallback:
+        got, ref = rank["cases"][f"{stage}:hilore"], rank["cases"][f"{stage}:gc"]
+        assert got["gc_faster"] and got["kept"]  # rank 1 alone timed the plan faster
+        assert got["as_gc"][-4:] == [True] * 4 and not any(got["as_gc"][:2])
+        assert got["losses"] == ref["losses"]  # H and R are exact, and GC is GC
+        assert got["param_sha"] == ref["param_sha"]

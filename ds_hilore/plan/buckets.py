@@ -42,6 +42,8 @@ class Bucket:
     # the bucket whose profile this one's times were scaled from (NOTE [ A bucket learns from
     # the others ] in profile.py)
     source: tuple[int, int] | None = None
+    loo_layers: bool = False  # its leave-one-out times layer variants (the run's one that does)
+    gc_faster: bool = False  # timed no faster than GC itself (NOTE [ Never slower than GC ] in validate.py)
 
 
 # NOTE [ Priced for the bucket's longest ]

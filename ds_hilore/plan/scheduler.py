@@ -104,10 +104,14 @@ class Scheduler:
         if bucket.loo is not None and bucket.loo.done:
             self._finish_loo(bucket)
         self.timing = None
-        exact = self.passes.begin_forward(args, kwargs, bucket, replayable)
+        self.runtime.gc_forward = self._runs_as_gc(bucket)  # NOTE [ Never slower than GC ] in validate.py
+        exact = not self.runtime.gc_forward and \
+            self.passes.begin_forward(args, kwargs, bucket, replayable)
         if self.passes.fresh and self.passes.job.kind == "calibrate":
             self.warm_up("calibration")
-        if bucket.plan is None:  # NOTE [ Profiling ]: measured all-R, as GC
+        if self.runtime.gc_forward:
+            self.passes.fresh = False
+        elif bucket.plan is None:  # NOTE [ Profiling ]: measured all-R, as GC
             self.warm_up("profiling")
             self.runtime.apply_plan("R")
             self.metering.open_profile()
@@ -116,9 +120,13 @@ class Scheduler:
         elif bucket.loo is not None:  # NOTE [ Leave-one-out ]: the plan, or it minus one layer
             self.warm_up("leave-one-out")
             variant = bucket.loo.next_variant()
-            ran = self._apply(bucket, recompute_layer=None if variant == LeaveOneOut.WARM_UP else variant)
-            if variant == LeaveOneOut.WARM_UP:  # the plan itself, and its timing is not used
-                self.metering.open_check(bucket, self.longest, ran)
+            if variant == LeaveOneOut.GC:  # gradient checkpointing itself, HiLoRe out of the way
+                self.runtime.gc_forward = True
+            else:
+                ran = self._apply(bucket, recompute_layer=None if variant in (
+                    LeaveOneOut.WARM_UP, None) else variant)
+                if variant == LeaveOneOut.WARM_UP:  # the plan itself, and its timing is not used
+                    self.metering.open_check(bucket, self.longest, ran)
             self.timing = (bucket.loo, variant, self._now(), self.rows_here * length)
         else:
             self.metering.open_check(bucket, self.longest, self._apply(bucket))
@@ -428,16 +436,16 @@ class Scheduler:
         return self.row_plans[key][1]
 
     def _start_loo(self, bucket: Bucket) -> None:
-        source = next((b for b in self.buckets.values() if b.loo is not None or b.validated), None)
-        if source is not None and source is not bucket:  # NOTE [ A bucket learns from the others ]
-            bucket.source = source.key  # in profile.py: leave-one-out runs once per run
-            bucket.validated = source.validated  # else given when the other's ends (_finish_loo)
-            self._inherit(bucket, source.excluded)
-            return
         layers = sorted({c.layer for c in bucket.profile.units if bucket.plan.actions[c.name] != "R"})
+        source = next((b for b in self.buckets.values() if b.loo_layers), None)
+        if source is not None and source is not bucket:  # NOTE [ A bucket learns from the others ]
+            bucket.source = source.key  # in profile.py: a layer's verdict once per run; this
+            self._inherit(bucket, source.excluded)  # bucket's plan timed against GC alone
+            layers = [] if any(a != "R" for a in bucket.plan.actions.values()) else None
         repeats = self.config.plan_validation_microbatches
-        if layers and repeats:
-            bucket.loo = LeaveOneOut(layers, repeats, tokens=bucket.key[0] * bucket.key[1])
+        if layers is not None and (layers or bucket.source is not None) and repeats:
+            bucket.loo = LeaveOneOut(layers, repeats, tokens=bucket.key[0] * bucket.key[1], gc=True)
+            bucket.loo_layers = bool(layers)
         else:
             bucket.validated = True  # nothing to validate
 
@@ -447,10 +455,15 @@ class Scheduler:
         if collective is not None:  # every rank decides from the same timings
             loo.set_flat(collective.all_reduce_max_float(loo.flat()))
         bucket.loo_utilities, bucket.validated = loo.utilities(), True
+        bucket.gc_faster = loo.gc_not_slower()
+        if bucket.gc_faster:  # NOTE [ Never slower than GC ] in validate.py, said once a bucket
+            logger.info("ds_hilore: on %dx%d HiLoRe's plan was timed no faster than gradient "
+                        "checkpointing (%.4f s against %.4f s, fastest runs per microbatch): this "
+                        "shape runs as gradient checkpointing from now on.", *bucket.key,
+                        min(loo.times[None]), min(loo.times[LeaveOneOut.GC]))
         dropped = loo.dropped()
         for other in self.buckets.values():  # NOTE [ A bucket learns from the others ]
-            if other.source == bucket.key and other.plan is not None and not other.validated:
-                other.validated = True
+            if other.source == bucket.key and other.plan is not None:
                 self._inherit(other, dropped)
         if dropped:
             logger.info("ds_hilore: leave-one-out on %dx%d: layers %s save nothing under joint "
@@ -458,6 +471,14 @@ class Scheduler:
                         {k: round(v, 4) for k, v in bucket.loo_utilities.items()})
             bucket.excluded |= dropped
             self._plan_bucket(bucket, profiled=False)
+
+    def _runs_as_gc(self, bucket: Bucket) -> bool:
+        """NOTE [ Never slower than GC ] in validate.py: timed no faster than GC, or a plan that
+        keeps nothing (with no prediction whose zeros it could elide): the bucket runs as
+        gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank."""
+        plan = bucket.plan
+        return plan is not None and (bucket.gc_faster or (
+            self.expected is None and not any(a != "R" for a in plan.actions.values())))
 
     def _timed(self) -> list:
         """The run's timed profile samples, every bucket's (NOTE [ A bucket learns from the

@@ -41,12 +41,15 @@ class LeaveOneOut:
     """The variants still to run and their timings (``None`` = the plan itself)."""
 
     WARM_UP = "warm-up"  # the plan, untimed
+    GC = "gc"  # gradient checkpointing itself: HiLoRe out of the way (NOTE [ Never slower than GC ])
 
-    def __init__(self, layers: list[int], repeats: int, tokens: int | None = None):
+    def __init__(self, layers: list[int], repeats: int, tokens: int | None = None,
+                 gc: bool = False):
         """``tokens``: the bucket's (B x L), what every timing is normalised to (NOTE [ Timings
-        per token ]); None: timings are compared as recorded."""
+        per token ]); None: timings are compared as recorded. ``gc``: gradient checkpointing
+        is timed too, interleaved with the plan."""
         self.tokens = tokens
-        variants: list[int | None] = [None, *layers]
+        variants: list = [None, *([self.GC] if gc else []), *layers]
         self.queue: list = [self.WARM_UP, *(v for _ in range(repeats) for v in variants)]
         self.times: dict[int | None, list[float]] = {v: [] for v in variants}
         self.current = None
@@ -81,7 +84,22 @@ class LeaveOneOut:
         if not base:
             return {}
         with_plan = min(base)
-        return {v: min(ts) - with_plan for v, ts in self.times.items() if v is not None and ts}
+        return {v: min(ts) - with_plan for v, ts in self.times.items()
+                if v is not None and v != self.GC and ts}
+
+    def gc_not_slower(self) -> bool:
+        """NOTE [ Never slower than GC ]
+        A plan saves the recompute of what it keeps, and pays HiLoRe's own costs: its hooks on
+        every saved tensor, its bookkeeping per layer, its reads and all-reduces per microbatch.
+        Where layers are small or microbatches short, the second can exceed the first, and
+        HiLoRe would train slower than the gradient checkpointing it replaces. So where the plan
+        is timed against its leave-one-out variants, gradient checkpointing itself (HiLoRe's
+        hooks out of the way: ``torch.utils.checkpoint`` on every layer) is timed too,
+        interleaved with them; when its fastest run is no slower than the plan's fastest (the
+        max over ranks, per token), the bucket runs as gradient checkpointing from then on.
+        A bucket whose plan keeps nothing runs so without being timed."""
+        gc, plan = self.times.get(self.GC), self.times[None]
+        return bool(gc) and bool(plan) and min(gc) <= min(plan)
 
     def noise(self, layer: int) -> float:
         """Half the mean range of the plan's and the layer variant's timings (seconds)."""

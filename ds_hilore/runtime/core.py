@@ -77,6 +77,9 @@ class HiLoReRuntime(Installation, Plans):
         # ω and exposure are known, top_grad(mb, grad) when the backward reaches the last layer,
         # forward_failed() when a forward of the model raised, end_step().
         self.policy = None
+        # the forward in progress runs as gradient checkpointing, HiLoRe out of the way (the
+        # policy sets it before the forward: NOTE [ Never slower than GC ] in plan/validate.py)
+        self.gc_forward = False
         self.attached = False
         self._switched_on = True
         self._last_toggle = None
@@ -202,11 +205,15 @@ class HiLoReRuntime(Installation, Plans):
     def _microbatch_of(self, logp: torch.Tensor | None) -> "Microbatch | None":
         """The live microbatch whose last layer output ``logp`` was computed from."""
         live = [mb for mb in list(self._live_mbs) if mb.live_frames()]
-        if logp is not None and logp.grad_fn is not None and len(live) > 1:
-            found = first_reached(logp, {mb.last_hidden_fn: mb for mb in live
+        as_gc = self._mb is not None and self._mb.as_gc  # nothing of it to elide or weigh
+        candidates = live + ([self._mb] if as_gc else [])
+        if logp is not None and logp.grad_fn is not None and len(candidates) > 1:
+            found = first_reached(logp, {mb.last_hidden_fn: mb for mb in candidates
                                          if mb.last_hidden_fn is not None})
             if found is not None:
-                return found
+                return None if found.as_gc else found
+        if as_gc:
+            return None
         if len(live) > 1:  # every step alike: said once, then at DEBUG
             logger.log(logging.DEBUG if self._warned_ambiguous else logging.WARNING,
                        "ds_hilore: %d forwards are alive and the coefficients do not say which "
@@ -351,6 +358,8 @@ class HiLoReRuntime(Installation, Plans):
         if layer.split is None:
             return self._discover(layer, function, args)
         mb = self._microbatch_for(layer, args, function)
+        if self.gc_forward:
+            return self._run_as_gc(layer, mb, function, args)
         frame = LayerFrame(layer, function, args, self._capture_plan(layer), mb)
         if mb.packed is not False:  # one-row inputs only: position_ids are (1, T) for any batch
             mb.packed = frame.batch == 1 and self._packed_sequences(mb, frame, function)
@@ -373,6 +382,29 @@ class HiLoReRuntime(Installation, Plans):
             mb.batch, mb.seq_len = frame.batch, frame.seq_len
             self._summarise(mb)
         return out
+
+    def _run_as_gc(self, layer: LayerUnits, mb: Microbatch, function, args: tuple):
+        """The layer as gradient checkpointing runs it (``torch.utils.checkpoint``,
+        non-reentrant): nothing captured, nothing elided; the policy still sees the gradient at
+        the last layer's output (a leave-one-out timing ends with the backward)."""
+        mb.as_gc, mb.last_layer = True, layer.index
+        out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+        if layer.index != self._last_active:
+            return out
+        hidden = out if isinstance(out, torch.Tensor) else next(
+            (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
+        if hidden is not None and hidden.requires_grad:
+            mb.last_hidden_fn = id(hidden.grad_fn)
+            if self.policy is not None:
+                hidden.register_hook(functools.partial(self._gc_top_grad, mb))
+        for unit in self._units:  # the units report the latest microbatch
+            unit.action, unit.nbytes = "R", 0
+        mb.summary.update(index=mb.index, actions={"H": 0, "L": 0, "R": len(self._units), "E": 0},
+                          bytes={a: 0 for a in "HLRE"}, counters=mb.counters, as_gc=True)
+        return out
+
+    def _gc_top_grad(self, mb: Microbatch, grad: torch.Tensor) -> None:
+        self.policy.top_grad(mb, grad)
 
     def elision_mode(self, device: torch.device) -> bool | str:
         """``elide_zero_rows`` as it applies on ``device``, "auto" resolved (NOTE [ Stand-ins on

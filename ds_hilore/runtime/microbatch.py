@@ -60,6 +60,7 @@ class Microbatch:
         # would keep, while the microbatch itself runs exact (NOTE [ The exact gradient from
         # training ] in plan/calibrate.py)
         self.norms_all = False
+        self.as_gc = False  # it ran as gradient checkpointing (NOTE [ Never slower than GC ])
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)
