@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from ds_hilore.plan import budget as budgets
-from ds_hilore.plan.buckets import stretched
+from ds_hilore.plan.buckets import gc_peak_at, stretched
 from ds_hilore.plan.profile import BucketProfile, exclude_nonfinite
 from ds_hilore.runtime.memory import DevicePeak, PeakTracker, in_use_bytes
 
@@ -73,6 +73,7 @@ class Metering:
         self.check = None  # (bucket, plan, meter) of the microbatch whose plan's peak is checked
         self.check_partial = False  # that microbatch kept less than its plan (units sent to R, ...)
         self.check_length = 0  # that microbatch's length, the max over ranks
+        self.check_budget = 0  # the budget at this rank's length (``budget_at``)
         self.partial_checks: dict[tuple, tuple] = {}  # bucket key -> (actions, partial checks)
         self.step_meter: tuple[int, DevicePeak] | None = None  # CUDA: (step, the step's window)
         # NOTE [ Memory that appears after profiling ]: in use at a step's first forward, by
@@ -153,6 +154,9 @@ class Metering:
         """A profiled microbatch's forward begins (on CPU: tracked, NOTE [ Tracked on CPU ])."""
         device = self.s._device()
         self.baseline = in_use_bytes(device)
+        bucket = self.s.bucket  # NOTE [ The plan's peak, checked ]: the longest profiled
+        if bucket is not None:
+            bucket.longest = max(bucket.longest or 0, self.s.longest)
         if device.type == "cuda":
             self.meter = DevicePeak(device)
         else:
@@ -233,17 +237,21 @@ class Metering:
     # MAX_PARTIAL such checks (an op-level window costs a dispatch per op; where microbatches
     # keep less than their plan, what such a check measured is what runs), without a credit
     # (NOTE [ Headroom a checked plan left ]).
-    # A relative budget (m x GC's peak at the profiled length T0) allows m x GC(T) at length
-    # T (NOTE [ Priced for the bucket's longest ]): above T0 the budget's bytes do not bound the
-    # peak, so a check waits for a microbatch no longer than T0; an absolute one holds at any T.
+    # A plan is checked on the microbatches it meets, whatever their length, each rank's peak
+    # against the budget priced at its own microbatch's length T (``budget_at``). An absolute
+    # budget holds at any T. A relative one (m x GC's peak) allows m x GC(T) at T (NOTE
+    # [ Priced for the bucket's longest ]): up to the longest profiled length T1 (over ranks and
+    # profiled microbatches) GC's peak is at most the profiled one, the max over them, and the
+    # budget's bytes hold; above it GC(T) was not measured and is estimated from the profile
+    # (``gc_peak_at`` in buckets.py, NOTE [ GC's peak at another length ] there).
+    # Waiting instead for a microbatch no longer than the shortest profiled one leaves plans
+    # unchecked: with GRPO's varied lengths, and more so over several ranks, hardly any comes
+    # (profiled at 260 and 300 tokens, none of twelve microbatches of 301-512 was).
     def open_check(self, bucket, length: int, ran: str) -> None:
         """``length``: the microbatch's, the max over ranks; ``ran``: what it runs of the plan
         (``Scheduler._apply``: whole, part or nothing; nothing, all R, is the same on every
         rank, so the check, which ends in a collective, opens on every rank or on none)."""
-        relative = bucket.budget_bound != "device" and self.s.config.memory_budget_bytes is None \
-            and self.s.config.memory_fraction is None
-        if not self.awaits_check(bucket) or ran == "nothing" or \
-                (relative and length > (bucket.shortest or bucket.key[1])):
+        if not self.awaits_check(bucket) or ran == "nothing":
             return
         device = self.s._device()
         opened = device.type == "cuda" or self._track()
@@ -254,8 +262,21 @@ class Metering:
             self.close_tracker()
             return
         self.check_partial, self.check_length = ran != "whole", length
+        self.check_budget = self.budget_at(bucket, self.s.length_here)
         self.check = (bucket, bucket.plan,
                       DevicePeak(device) if device.type == "cuda" else self.tracker)
+
+    def budget_at(self, bucket, length: int) -> int:
+        """The budget a microbatch of ``length`` positions (this rank's) is checked against
+        (NOTE [ The plan's peak, checked ])."""
+        config, profile = self.s.config, bucket.profile
+        relative = bucket.budget_bound != "device" and config.memory_budget_bytes is None \
+            and config.memory_fraction is None
+        profiled = bucket.longest or bucket.shortest or bucket.key[1]  # a state without it
+        if not relative or profile is None or length <= profiled or profile.gc_peak_bytes <= 0:
+            return bucket.budget_bytes
+        return int(bucket.budget_bytes * gc_peak_at(profile, length / profiled)
+                   / profile.gc_peak_bytes)
 
     def partial(self) -> None:
         """The microbatch being checked keeps less than its plan: units sent to R after its
@@ -289,7 +310,7 @@ class Metering:
                                          f"{bucket.key[1]}", meter)
         stats = self.s.step_stats
         stats["peak_bytes"] = max(stats["peak_bytes"] or 0, peak)
-        over = float(peak - bucket.budget_bytes)
+        over = float(peak - self.check_budget)
         partial = float(self.check_partial)
         # NOTE [ Headroom a checked plan left ]: under GC's own peak (> 0), and the price's
         # excess over the peak, negated (the least excess over ranks is the max of this)

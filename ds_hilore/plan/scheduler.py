@@ -65,6 +65,7 @@ class Scheduler:
         self.bucket: Bucket | None = None  # of the forward in progress
         self.rows_here = 1  # sequences of the forward in progress on this rank (Uneven batches)
         self.longest = 0  # the forward in progress's length, the max over ranks
+        self.length_here = 0  # ... this rank's (a plan's check prices the budget at it)
         self.metering = Metering(self)  # the memory windows (plan/metering.py)
         self.passes = MatchedPasses(self)
         self.timing = None  # (leave-one-out, variant, start) of the forward in progress
@@ -500,7 +501,7 @@ class Scheduler:
         bucket's most sequences, only keeps fewer bytes. Also returned: the shortest length
         over ranks (NOTE [ Priced for the bucket's longest ] in buckets.py)."""
         collective = self.runtime.collective
-        shortest = length
+        shortest = self.length_here = int(length)
         if collective is not None:
             batch, length, negative = collective.all_reduce_max([batch, length, -length])
             shortest = -negative
