@@ -36,6 +36,7 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from ds_hilore._errors import HiLoReConfigError, HiLoReError
 from ds_hilore.config import HiLoReConfig
+from ds_hilore.runtime.collective import TorchDistCollective  # noqa: F401 (importable here)
 
 __all__ = ["initialize", "initialize_with_fallback", "trains", "TorchDistCollective", "setup_key",
            "CHECKPOINT_KEY"]
@@ -179,8 +180,6 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
     try:  # an engine that cannot take HiLoRe leaves its model as it found it
         if follow_script:
             runtime.follow_script_checkpointing()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            runtime.collective = TorchDistCollective()
         # NOTE [ A backward of zeros ] in runtime/zero_backward.py: ZeRO 1-3 reduce gradients in
         # hooks
         runtime.zero_backward_skip = engine.zero_optimization_stage() == 0
@@ -443,60 +442,3 @@ def _check_budget(runtime: Any, hilore_config: HiLoReConfig) -> None:
         UserWarning, stacklevel=5)
     if not forced:
         runtime.set_plan("R")
-
-
-# ---- rank consistency --------------------------------------------------------------------
-class TorchDistCollective:
-    """``runtime.collective`` over torch.distributed: every rank executes the same plan.
-
-    Rank 0 of the group decides (from all-reduced statistics) and broadcasts the action
-    vector; ZeRO-3 gathers are collectives, so ranks with different plans would hang.
-    Every method is a collective: all ranks must call it, in the same order, with lists of
-    the same length.
-    """
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group  # None = the default (world) group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        cpu_backends = ("gloo", "mpi", "ccl")
-        self.device = "cpu" if dist.get_backend(group) in cpu_backends else \
-            get_accelerator().current_device_name()
-
-    def broadcast_actions(self, actions: list[str]) -> list[str]:
-        """Rank 0's ``actions`` on every rank (other ranks' input is ignored)."""
-        box = [list(actions) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
-        return box[0]
-
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` (picklable) on every rank."""
-        box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
-        return box[0]
-
-    def all_reduce_max_float(self, values: list[float]) -> list[float]:
-        """Element-wise max over ranks (float64)."""
-        return self._all_reduce(values, torch.float64, dist.ReduceOp.MAX)
-
-    def all_reduce_max(self, values: list[int]) -> list[int]:
-        """Element-wise max over ranks."""
-        return self._all_reduce(values, torch.int64, dist.ReduceOp.MAX)
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over ranks (float64)."""
-        return self._all_reduce(values, torch.float64, dist.ReduceOp.SUM)
-
-    def all_reduce_sum_tensor(self, tensor: torch.Tensor) -> None:
-        """``tensor`` summed over ranks, in place (a whole gradient: no list of floats)."""
-        moved = tensor.to(self.device)
-        dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.group)
-        if moved is not tensor:
-            tensor.copy_(moved)
-
-    def _all_reduce(self, values: list, dtype: torch.dtype, op: Any) -> list:
-        tensor = torch.tensor(list(values), dtype=dtype, device=self.device)  # (n,)
-        dist.all_reduce(tensor, op=op, group=self.group)
-        return tensor.tolist()

@@ -22,6 +22,7 @@ import math
 from typing import Iterator
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ds_hilore.plan import budget as budgets
 from ds_hilore.plan.buckets import gc_peak_at, stretched
@@ -538,14 +539,25 @@ def _activation_dtype(model: torch.nn.Module, device: torch.device) -> torch.dty
 
 def _gradient_bytes(model: torch.nn.Module, device: torch.device) -> int:
     """Bytes of the storages the parameters' ``.grad`` tensors use on ``device``'s kind (each
-    storage once)."""
+    storage once); a tensor subclass (FSDP2's DTensor gradients) by the plain tensors it holds,
+    this rank's shard."""
     seen: dict[int, int] = {}
     for p in model.parameters():
         g = p.grad
-        if g is not None and g.device.type == device.type:
-            storage = g.untyped_storage()
+        if g is None or g.device.type != device.type:
+            continue
+        for t in _plain(g):
+            storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+    return [x for part in inner if isinstance(part, torch.Tensor) for x in _plain(part)]
 
 
 def agree(profile: BucketProfile, collective) -> BucketProfile:

@@ -26,8 +26,9 @@ from ds_hilore.runtime import packed, report
 from ds_hilore.runtime.bundle import LayerFrame
 from ds_hilore.runtime.calls import drop_cache, hidden_input
 from ds_hilore.runtime.codecs import codec_from_config
+from ds_hilore.runtime.collective import collective_for_attach
 from ds_hilore.runtime.elision import Elision, gradient_entry
-from ds_hilore.runtime.install import Installation, checkpointing_on
+from ds_hilore.runtime.install import Installation, checkpointing_on, refuse_unsupported_wrappers
 from ds_hilore.runtime.microbatch import Microbatch
 from ds_hilore.runtime.plans import ACTIONS, Plans
 from ds_hilore.runtime.registry import ATTACHED as _ATTACHED  # noqa: F401 (importable here)
@@ -66,7 +67,8 @@ class HiLoReRuntime(Installation, Plans):
 
     def __init__(self, model: nn.Module, config: HiLoReConfig):
         self.model, self.config = model, config
-        self.collective = None  # set by engine.py for multi-rank runs
+        # NOTE [ One decision for every rank ] in collective.py: made at attach, several ranks
+        self.collective = None
         # NOTE [ A backward of zeros ] in zero_backward.py: off where gradient hooks reduce every
         # gradient as it is made (ZeRO stages 1-3; engine.py)
         self.zero_backward_skip = True
@@ -99,6 +101,7 @@ class HiLoReRuntime(Installation, Plans):
         self._hooks: list = []  # hook handles attach registered, for detach
         if not config.enabled:
             return
+        refuse_unsupported_wrappers(model)  # NOTE [ Data parallel wrappers ] in install.py
         self._layers = find_layers(model, config)
         self._weights = WeightRecognizer(layer.module for layer in self._layers)
         self._codec = codec_from_config(config)  # None for low_precision "none"
@@ -111,6 +114,7 @@ class HiLoReRuntime(Installation, Plans):
         self._renumber()
         self.script_checkpointing = checkpointing_on(self._layers)
         _refuse_a_second_runtime(model)
+        self.collective = collective_for_attach()  # every rank attaches together
         self._install()
         try:  # a failed attach leaves the model as it found it
             self._probe()
