@@ -256,7 +256,7 @@ class HiLoReRuntime(Installation, Plans):
         """Before an optimizer step, on every rank at the same point: raises on every rank if
         a backward on any rank sent gradient to elided sequences (NOTE [ Collective elision ]
         in elision.py)."""
-        self._elision.flush_late(collective=True)
+        self._elision.flush_late()
 
     def end_step(self) -> None:
         """Close the optimizer step: ``stats`` now reports it. Raises if a backward since the

@@ -44,6 +44,7 @@ a microbatch that leave-one-out times runs the variant it times).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 
@@ -63,6 +64,7 @@ class Elision:
 
     def __init__(self, runtime):
         self.runtime = runtime
+        self.order = next(_ATTACHED_ORDER)  # the same on every rank: runtimes attach together
         self._warned = False
         self._warned_twice = False  # NOTE [ Coefficients handed twice ]
         self.stopped_short = 0  # backwards of forwards that ended below the last layer
@@ -106,11 +108,12 @@ class Elision:
         # NOTE [ Collective elision ]: one all-reduce decides, for every rank, whether all
         # sequences are zero, which units saw a capture-time elision disproved or a check
         # failed, and whether an earlier backward leaked
-        all_zero, to_r, failed, leaked = _agree(
+        all_zero, to_r, failed, leaked, due = _agree(
             self.runtime, frames, all_zero, lambda frame, every_zero: _verified(
                 frame, every_zero, zero if every_zero or mode != "whole" else [], segments,
                 source),
-            mb.check_failures(checks, held), any(v != 0 for v in late))
+            mb.check_failures(checks, held), any(v != 0 for v in late), bool(zero))
+        mb.late_due = mb.late_due or due  # NOTE [ A late read, due on every rank ]
         if leaked:
             raise _late_error()
         if mode == "whole" and not all_zero:
@@ -222,7 +225,7 @@ class Elision:
             leaks = self._decide(mb.settle(leak), collective=False)  # backward ] in microbatch.py
         if leaks:
             self._fall_back(frames)
-        elif any(f.elided_rows for f in frames):
+        elif mb.late_due:  # the same on every rank: NOTE [ A late read, due on every rank ]
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._defer_late(mb))
 
     def _stopped_short(self, mb) -> None:
@@ -293,13 +296,27 @@ class Elision:
                     frame.downgrade(pos, "R")
 
     # ------------------------------------------------------------------ late flags
+    # NOTE [ A late read, due on every rank ]
+    # The late flags of a backward (NOTE [ Checked elision ]) are this rank's: only a rank that
+    # elided sequences has any. Read where a rank has some and raised there alone, the others
+    # would step on the reduced, wrong gradients and then wait at their next collective -- and
+    # a process-wide optimizer pre-hook reads them at any optimizer's step, another runtime's
+    # included (an actor's flags at the critic's step). So whether a read is due is agreed on:
+    # a microbatch whose sequences were found zero on any rank (a flag riding on the
+    # elision's all-reduce at the coefficients, ``_agree``), or elided by hand on every rank
+    # alike (``downgrade(..., "E")``), leaves a late flag after its backward on every rank --
+    # this rank's own, or a host False where it elided nothing -- and every read of the flags
+    # (with the next coefficients, ``check_late``, ``end_step``, an optimizer's pre-hook) is
+    # then one all-reduce, on every rank at the same point, and raises on every rank. A step
+    # with no sequence found zero on any rank leaves no flag: no read, and no all-reduce. The
+    # pre-hook reads the runtimes in the order they were attached (the same on every rank).
     def _defer_late(self, mb) -> None:
         """The end of a backward: its per-layer flags folded into one, on the device, read with
-        the next read or before the next optimizer step (NOTE [ Two reads per microbatch ])."""
+        the next read or before the next optimizer step (NOTE [ Two reads per microbatch ]);
+        a host False where this rank's backward checked none (NOTE [ A late read, due on every
+        rank ])."""
         leaks, mb.late_leaks = mb.late_leaks, []
-        if not leaks:
-            return
-        flag = torch.stack(leaks).any()
+        flag = torch.stack(leaks).any() if leaks else torch.zeros((), dtype=torch.bool)
         self._late = flag if self._late is None else self._late | flag
         _LATE.add(self)
         _watch_optimizers()
@@ -309,19 +326,22 @@ class Elision:
         _LATE.discard(self)
         return late
 
-    def flush_late(self, collective: bool = False) -> None:
-        """Read the late flags now (one read, if any are left); raises if one is set.
-        ``collective``: every rank calls it at the same point, and every rank raises if any
-        rank's flag is set (NOTE [ Collective elision ]): a leak is this rank's, while the
-        gradients about to be stepped on are every rank's once data parallelism reduced them."""
+    def flush_late(self) -> None:
+        """Read the late flags now, where a read is due (on every rank alike, NOTE [ A late
+        read, due on every rank ]); raises on every rank if one is set on any: a leak is this
+        rank's, while the gradients about to be stepped on are every rank's once data
+        parallelism reduced them. Every rank calls it at the same point."""
         late = self._take_late()
-        leaked = late is not None and bool(late)
-        if collective and self.runtime.collective is not None:
+        if late is None:
+            return
+        leaked = bool(late)
+        if self.runtime.collective is not None:
             leaked = self.runtime.collective.all_reduce_max([int(leaked)])[0] > 0
         if leaked:
             raise _late_error()
 
 
+_ATTACHED_ORDER = itertools.count()  # Elision.order
 _LATE: "weakref.WeakSet[Elision]" = weakref.WeakSet()  # those holding late flags not read yet
 _OPTIMIZER_HOOK: list = []  # the handle of the step pre-hook, once registered
 
@@ -333,7 +353,7 @@ def _watch_optimizers() -> None:
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    for elision in list(_LATE):
+    for elision in sorted(_LATE, key=lambda e: e.order):  # NOTE [ A late read, due on every rank ]
         elision.flush_late()
 
 
@@ -417,26 +437,28 @@ def unverified_rows_to_r(runtime, frames, zero_of) -> None:
 # whether every sequence of every rank is zero; both candidate flag sets ride along (the
 # frames called without the microbatch's segments elide depending on that answer), and so
 # do the unit flags of the forward's failed checks (NOTE [ Collective fallback ] in
-# microbatch.py) and the late flag of earlier backwards (an error on every rank at once), all
-# read in the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at
-# the coefficients decides everything there. The flags of the accumulation's last backward
-# are read before the optimizer step, by the engine on every rank (``check_late``), one more
-# all-reduce per step; the optimizer's pre-hook and ``end_step`` then find nothing left. A
-# rank that raised alone would leave the others stepping on the reduced, wrong gradients and
-# then waiting at their next collective.
-def _agree(runtime, frames, all_zero: bool, verified, failed: list[int],
-           late: bool) -> tuple[bool, set[str], list[int], bool]:
+# microbatch.py), the late flag of earlier backwards (an error on every rank at once) and
+# whether this microbatch leaves one (NOTE [ A late read, due on every rank ]), all read in
+# the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at the
+# coefficients decides everything there. The flags of the accumulation's last backward are
+# read before the optimizer step, by the engine on every rank (``check_late``), one more
+# all-reduce in a step that left some; the optimizer's pre-hook and ``end_step`` then find
+# nothing left. A rank that raised alone would leave the others stepping on the reduced,
+# wrong gradients and then waiting at their next collective.
+def _agree(runtime, frames, all_zero: bool, verified, failed: list[int], late: bool,
+           due: bool) -> tuple[bool, set[str], list[int], bool, bool]:
     """(every rank's sequences all zero, names of the units to recompute on every rank, unit
-    flags of a failed check on any rank, a late leak on any rank)."""
+    flags of a failed check on any rank, a late leak on any rank, sequences found zero on any
+    rank: a late read due, NOTE [ A late read, due on every rank ])."""
     if_all = _unverified(runtime, frames, lambda f: verified(f, True))
     if_not = _unverified(runtime, frames, lambda f: verified(f, False))
     if runtime.collective is not None:
         n = len(if_all)
         agreed = runtime.collective.all_reduce_max([0 if all_zero else 1, *if_all, *if_not,
-                                                    *failed, int(late)])
-        all_zero, late = agreed[0] == 0, agreed[-1] > 0
-        if_all, if_not, failed = agreed[1:1 + n], agreed[1 + n:1 + 2 * n], agreed[1 + 2 * n:-1]
-    return all_zero, _flagged(runtime, if_all if all_zero else if_not), failed, late
+                                                    *failed, int(late), int(due)])
+        all_zero, late, due = agreed[0] == 0, agreed[-2] > 0, agreed[-1] > 0
+        if_all, if_not, failed = agreed[1:1 + n], agreed[1 + n:1 + 2 * n], agreed[1 + 2 * n:-2]
+    return all_zero, _flagged(runtime, if_all if all_zero else if_not), failed, late, due
 
 
 def _verified(frame, every_zero: bool, zero: list[int], segments, source: str) -> set[int]:
