@@ -417,6 +417,62 @@ def test_checkpoint_key_collision_is_an_error(tmp_path):
         engine.save_checkpoint(str(tmp_path), client_state={engine_mod.CHECKPOINT_KEY: 1})
 
 
+class _Block(torch.nn.Module):
+    """A decoder-layer-like block of no transformers class: its units are found at the first
+    training forward (``layer_pattern``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+def _blocks_engine():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block()).train()
+    config = ds_config(layer_pattern="[0-9]", low_precision="none", profile_microbatches=1,
+                       plan_validation_microbatches=0)
+    engine, *_ = engine_mod.initialize(model=model, model_parameters=model.parameters(),
+                                       config=config)
+    return engine
+
+
+def _blocks_step(engine, seed: int) -> None:
+    for micro in range(2):  # gradient_accumulation_steps
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(10 * seed + micro))
+        engine.backward(engine(x).square().sum())
+        engine.step()
+
+
+def test_checkpoint_restores_state_where_units_are_found_at_the_first_forward(tmp_path, caplog):
+    """Units found at the first training forward (no probe): the loaded state is compared with
+    them once they are known, and restored -- no "dropped", no profiling again; a save before
+    then writes the loaded state."""
+    saver = _blocks_engine()
+    for seed in range(3):
+        _blocks_step(saver, seed)
+    saved = saver.hilore.state_dict()
+    assert len(saved["plan"]) == 4 and len(saved["policy"]["profiles"]) == 1
+    saver.save_checkpoint(str(tmp_path), tag="t")
+    loader = _blocks_engine()
+    assert loader.hilore.units == ()
+    with caplog.at_level(logging.INFO, logger="ds_hilore.integrations.engine"):
+        loader.load_checkpoint(str(tmp_path), tag="t")
+        loader.save_checkpoint(str(tmp_path), tag="again")  # before the units are found
+        loader.load_checkpoint(str(tmp_path), tag="again")
+        _blocks_step(loader, 7)  # finds the units; the restore comes at the next forward
+        assert "dropped" not in caplog.text and "restored once the recovery units" in caplog.text
+    bucket, = saved["policy"]["profiles"]
+    restored = loader.hilore.policy.buckets[tuple(bucket["key"])]
+    assert restored.profile.to_dict() == bucket and restored.plan is not None
+    assert "no recalibration" in caplog.text
+    assert loader.hilore.state_dict()["policy"]["profiles"] == [bucket]  # profiled nothing again
+
+
 def test_setup_key_names_device_world_and_torch():
     key = engine_mod.setup_key()
     assert key == {"device_type": "cpu", "device_name": "cpu", "world_size": 1,

@@ -99,6 +99,7 @@ class HiLoReRuntime(Installation, Plans):
         self._warned_ambiguous = False  # coefficients that name no forward (_microbatch_of)
         self._saved: list = []  # what attach changed, for detach
         self._hooks: list = []  # hook handles attach registered, for detach
+        self._when_units: list = []  # actions waiting for the units to be known (when_units_known)
         if not config.enabled:
             return
         refuse_unsupported_wrappers(model)  # NOTE [ Data parallel wrappers ] in install.py
@@ -325,6 +326,8 @@ class HiLoReRuntime(Installation, Plans):
     # arguments the model would need are not known there).
     @outside_compile  # NOTE [ Compiled layers ] (units.py)
     def _begin_forward(self, module, args, kwargs) -> None:
+        if module.training:
+            self._run_when_units_known()
         if self._plans_forward() and module.training:
             self._forward_begun = True
             self.policy.begin_forward(args, kwargs)
@@ -338,9 +341,32 @@ class HiLoReRuntime(Installation, Plans):
     def _begin_at_layer(self, layer: LayerUnits, args: tuple, function) -> None:
         """A forward that did not pass through the model's pre-hook: begin it here."""
         begun, self._forward_begun = self._forward_begun, False
+        if not begun and layer is self._layers[0]:
+            self._run_when_units_known()
         if not begun and layer is self._layers[0] and self._plans_forward():
             hidden = hidden_input(args, getattr(function, "keywords", {}))  # (B, T, H)
             self.policy.begin_forward((hidden,), {}, replayable=False)
+
+    def when_units_known(self, action) -> None:
+        """``action()`` once every layer's recovery units are known: now, or at the start of the
+        first training forward after the one that finds them (models without transformers'
+        decoder layers, or whose layers refused the probe: NOTE [ HiLoRe state in checkpoints ]
+        in integrations/engine.py). Under several ranks, it runs on every rank at that point."""
+        if self._units_known():
+            action()
+        else:
+            self._when_units.append(action)
+
+    def _run_when_units_known(self) -> None:
+        """A training forward begins: the actions waiting for the units run, once they are known."""
+        if self._when_units and self._units_known() and self.enabled and torch.is_grad_enabled() \
+                and not self._probing:
+            actions, self._when_units = self._when_units, []
+            for action in actions:
+                action()
+
+    def _units_known(self) -> bool:
+        return all(layer.split is not None for layer in self._layers)
 
     def _plans_forward(self) -> bool:
         return (self.policy is not None and self.enabled and torch.is_grad_enabled()
