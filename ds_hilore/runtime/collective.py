@@ -6,8 +6,8 @@ does: a recompute under ZeRO-3 or FSDP gathers the layer's parameters (a collect
 unit recomputed on one rank only issues gathers the others never match (gloo: "collective
 mismatch"; NCCL: a hang, or shards of same-shaped weights paired wrongly). So every decision
 taken from one rank's numbers (a shape bucket, a profile, a plan, which units go to R, an
-elision) goes through this object: rank 0 decides from statistics reduced over
-ranks and broadcasts, or every rank takes the max. The runtime makes one at attach
+elision, a layer's split) goes through this object: rank 0 decides from statistics reduced
+over ranks and broadcasts, or every rank takes the max. The runtime makes one at attach
 whenever torch.distributed is initialized with several ranks -- ``ds_hilore.initialize`` and
 ``ds_hilore.attach`` alike (DDP, FSDP, or a script's own data parallelism) -- so every rank
 must attach at the same point.

@@ -163,7 +163,8 @@ class Installation:
     def _discover(self, layer: LayerUnits, function, args: tuple):
         device = hidden_input(args, getattr(function, "keywords", {})).device
         out, split = discovery.discover(layer, function, args, device,
-                                        lambda t: self._weights(t, layer.module) is not None)
+                                        lambda t: self._weights(t, layer.module) is not None,
+                                        self.collective)
         for other in self._layers:  # at the probe, every layer proves itself
             if other is layer or (not self._probing and other.split is None
                                   and other.signature == layer.signature):
