@@ -1,5 +1,5 @@
 """The check of a plan's peak (NOTE [ The plan's peak, checked ] and NOTE [ Headroom a checked
-plan left ] in plan/metering.py), on CPU with real models and op-level windows: a microbatch
+plan left ] in plan/checks.py), on CPU with real models and op-level windows: a microbatch
 run in part checks a plan without passing it, one that runs it whole passes it; a plan whose
 price (GC's peak plus what it was priced to add) exceeds its peak well gives its bucket the excess (less two margins) as headroom; plans re-solved per microbatch
 stay within the headroom without it.
@@ -44,7 +44,8 @@ def _microbatch(model, runtime, seed: int) -> None:
 
 class _Recording:
     """One rank's collective that records what each plan's check reduces: (over the budget,
-    partial, under the GC peak it was priced on, its peak less its price), in bytes."""
+    partial, under the GC peak it was priced on, its peak less its price, in use at its start
+    beyond the profile's baseline), in bytes."""
 
     def __init__(self):
         self.checks: list[list[float]] = []
@@ -90,7 +91,7 @@ def test_a_plan_priced_well_above_its_peak_gives_the_excess_as_headroom(monkeypa
         with caplog.at_level(logging.INFO, logger="ds_hilore"):
             _microbatch(model, runtime, 3)  # the plan's first microbatch: checked
         assert len(collective.checks) == 1
-        over, partial, under_gc, short = collective.checks[0]
+        over, partial, under_gc, short, grown = collective.checks[0]
         margin = max(MiB, bucket.budget_bytes // 100)
         excess = -short
         assert over < 0 and partial == 0 and under_gc <= 0 and excess >= 3 * margin, \

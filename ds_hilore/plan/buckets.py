@@ -32,7 +32,7 @@ class Bucket:
     shortest: int | None = None  # positions of the shortest profiled microbatch, over ranks
     longest: int | None = None  # ... of the longest (NOTE [ The plan's peak, checked ])
     byte_scale: dict[str, float] | None = None  # bytes x this per unit kind, for the longest
-    # NOTE [ The plan's peak, checked ] and [ Headroom a checked plan left ] in metering.py
+    # NOTE [ The plan's peak, checked ] and [ Headroom a checked plan left ] in checks.py
     headroom_cut: int = 0  # bytes taken off the headroom after a plan peaked over the budget
     headroom_credit: int = 0  # bytes added to it: what a checked plan peaked under its price
     priced_gc_peak: int | None = None  # GC's peak the plan was priced on (its plan's peak less kept)
@@ -78,7 +78,7 @@ def priced_for_longest(bucket: Bucket, relative: bool) -> tuple[dict[str, float]
 
 # NOTE [ GC's peak at another length ]
 # A plan's check at a length T above the longest profiled one, T1, under a relative budget
-# needs GC's peak at T (NOTE [ The plan's peak, checked ] in metering.py), which was not
+# needs GC's peak at T (NOTE [ The plan's peak, checked ] in checks.py), which was not
 # measured. What GC's peak holds above the baseline (in use before the forward) is mostly per
 # token -- the layers' inputs it keeps, the layer it recomputes, the logits and their
 # gradient -- so it is grown per token: baseline + (GC's peak - baseline) x T / T1. Above the
