@@ -189,9 +189,12 @@ def test_end_step_once_per_optimizer_step(gc_reference):
     engine = make(ds_config(force_plan="H"))
     calls = []
     original = engine.hilore.end_step
-    engine.hilore.end_step = lambda: (calls.append(engine.global_steps), original())[1]
+    engine.hilore.end_step = lambda **kw: (calls.append(engine.global_steps), original(**kw))[1]
     assert run(engine) == gc_reference  # 2 steps x GAS 2 micro-steps
     assert calls == [1, 2]
+    stats = engine.hilore.stats  # the step it describes: DeepSpeed's, each micro-step's place
+    assert stats["step"] == engine.global_steps == 2
+    assert [m["position"] for m in stats["microbatches"]] == [0, 1]
     assert engine.hilore.stats["actions"] == {"H": 8, "L": 0, "R": 0, "E": 0}  # last step: 2 x 4 units
     assert engine.hilore.stats["recomputed_units"] == 0
 

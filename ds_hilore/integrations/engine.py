@@ -263,7 +263,7 @@ class HiLoReEngineMixin:
         steps_before = self.global_steps
         result = super().step(*args, **kwargs)
         if self.global_steps != steps_before:
-            self.hilore.end_step()
+            self.hilore.end_step(step=self.global_steps)
             self.hilore.sync_plan()
             self._log_hilore_stats()
         return result

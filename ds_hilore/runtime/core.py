@@ -91,6 +91,8 @@ class HiLoReRuntime(Installation, Plans):
         self._n_microbatches = 0
         self._step: list[dict] = []
         self._last_step: list[dict] | None = None
+        self._steps_closed = 0  # the number of the last step end_step closed (stats["step"])
+        self._step_first = 0  # index of the step in progress's first microbatch
         self._live_mbs: "weakref.WeakSet[Microbatch]" = weakref.WeakSet()
         self._elision = Elision(self)
         self._warned_elision = False
@@ -236,9 +238,16 @@ class HiLoReRuntime(Installation, Plans):
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Measurements of the last optimizer step (or of the step in progress before any)."""
-        return report.step_stats(self._last_step if self._last_step is not None else self._step,
-                                 self.policy)
+        """Measurements of the last optimizer step ``end_step`` closed: read inside a step (before
+        its ``end_step``, or ``engine.step()``), they describe the one before. Before any was
+        closed, the step in progress. ``stats["step"]`` is the number of the step described
+        (``ds_hilore.initialize``: DeepSpeed's ``global_steps`` after it; else counted from 1 by
+        ``end_step``), and ``stats["microbatches"][k]["position"]`` that microbatch's position
+        in it (0 for the first; ``"index"`` counts every microbatch of the runtime)."""
+        closed = self._last_step is not None
+        out = report.step_stats(self._last_step if closed else self._step, self.policy)
+        out["step"] = self._steps_closed if closed else self._steps_closed + 1
+        return out
 
     @contextlib.contextmanager
     def shadow(self):
@@ -259,14 +268,17 @@ class HiLoReRuntime(Installation, Plans):
         in elision.py)."""
         self._elision.flush_late()
 
-    def end_step(self) -> None:
-        """Close the optimizer step: ``stats`` now reports it. Raises if a backward since the
-        last read sent gradient to elided sequences (NOTE [ Checked elision ] in elision.py)."""
+    def end_step(self, step: int | None = None) -> None:
+        """Close the optimizer step: ``stats`` now reports it, as step ``step`` (default: the
+        previous one's number plus one). Raises if a backward since the last read sent
+        gradient to elided sequences (NOTE [ Checked elision ] in elision.py)."""
         self._elision.flush_late()
         if self.policy is not None:
             self.policy.end_step()
             self._warn_if_never_planned()
         self._last_step, self._step = self._step, []
+        self._steps_closed = self._steps_closed + 1 if step is None else int(step)
+        self._step_first = self._n_microbatches
 
     def _warn_if_never_planned(self) -> None:
         """Said once: the policy has run many microbatches and planned none (HiLoRe is GC)."""
@@ -298,7 +310,8 @@ class HiLoReRuntime(Installation, Plans):
     def state_dict(self) -> dict[str, Any]:
         """Learned state worth keeping across a resume: plan, and the policy's profiles and
         calibration."""
-        state = {"version": 1, "plan": dict(self._plan), "microbatches_seen": self._n_microbatches}
+        state = {"version": 1, "plan": dict(self._plan), "microbatches_seen": self._n_microbatches,
+                 "steps": self._steps_closed}
         if self.policy is not None:  # profiles, calibration: a resume does not measure again
             state["policy"] = self.policy.state_dict()
         return state
@@ -311,7 +324,8 @@ class HiLoReRuntime(Installation, Plans):
             known = {u.name for u in self._units}
             self._plan.update({k: v for k, v in state.get("plan", {}).items() if k in known
                                and v in ACTIONS and (v != "L" or self._codec is not None)})
-        self._n_microbatches = int(state.get("microbatches_seen", 0))
+        self._n_microbatches = self._step_first = int(state.get("microbatches_seen", 0))
+        self._steps_closed = int(state.get("steps", self._steps_closed))
         if self.policy is not None and state.get("policy"):
             self.policy.load_state_dict(state["policy"])
 
@@ -447,6 +461,7 @@ class HiLoReRuntime(Installation, Plans):
         if self._mb is None or layer.index <= self._mb.last_layer:
             self._begin_at_layer(layer, args, function)
             self._mb = Microbatch(self._n_microbatches, self)
+            self._mb.summary["position"] = self._n_microbatches - self._step_first  # in the step
             self._live_mbs.add(self._mb)
             self._n_microbatches += 1
             self._step.append(self._mb.summary)
