@@ -44,16 +44,13 @@ a microbatch that leave-one-out times runs the variant it times).
 
 from __future__ import annotations
 
-import itertools
 import logging
-import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
-from ds_hilore._errors import HiLoReError
 from ds_hilore.grpo import exposure
+from ds_hilore.runtime.late import LateFlags, late_error
 from ds_hilore.runtime.reads import read_once
 
 logger = logging.getLogger("ds_hilore")
@@ -64,11 +61,10 @@ class Elision:
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.order = next(_ATTACHED_ORDER)  # the same on every rank: runtimes attach together
         self._warned = False
         self._warned_twice = False  # NOTE [ Coefficients handed twice ]
         self.stopped_short = 0  # backwards of forwards that ended below the last layer
-        self._late: torch.Tensor | None = None  # () bool: a late leak since the last read
+        self.late = LateFlags(runtime)  # late leaks since the last read (late.py)
 
     # ------------------------------------------------------------------ coefficients known
     def apply(self, mb, coefficients: torch.Tensor, offset, source: str) -> None:
@@ -89,7 +85,7 @@ class Elision:
         mass = exposure.row_mass(abs_omega, segments)  # (B,) or (K,): 0 exactly where ω ≡ 0
         unit_exposure = _unit_exposure(frames, abs_omega, coefficients.shape[1], offset, segments)
         checks, held = mb.take_checks()
-        read = read_once([mass, held, self._take_late(), *unit_exposure.values()])  # the one read
+        read = read_once([mass, held, self.late.take(), *unit_exposure.values()])  # the one read
         mass_read, held, late = read[:3]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
         mode = self.runtime.elision_mode(frames[0].device)  # NOTE [ Stand-ins on accelerators ]
@@ -113,9 +109,9 @@ class Elision:
                 frame, every_zero, zero if every_zero or mode != "whole" else [], segments,
                 source),
             mb.check_failures(checks, held), any(v != 0 for v in late), bool(zero))
-        mb.late_due = mb.late_due or due  # NOTE [ A late read, due on every rank ]
+        mb.late_due = mb.late_due or due  # NOTE [ A late read, due on every rank ] (late.py)
         if leaked:
-            raise _late_error()
+            raise late_error()
         if mode == "whole" and not all_zero:
             zero = []  # another rank keeps sequences: no skip, so nothing elided
         mb.fall_back(checks, failed)
@@ -209,7 +205,7 @@ class Elision:
             leak = bool(rows) and bool(_reaches(_at(grad.detach(), frame, rows)))
             if self._decide(leak, collective=True):
                 self._fall_back([frame])
-        elif rows:  # a leak here is an error before the next step, on any rank (``_defer_late``)
+        elif rows:  # a leak here is an error before the next step, on any rank (late.py)
             mb.late_leaks.append(_reaches(_at(grad.detach(), frame, rows)))
 
     def _check_at_top(self, mb, grad: torch.Tensor) -> None:
@@ -225,8 +221,8 @@ class Elision:
             leaks = self._decide(mb.settle(leak), collective=False)  # backward ] in microbatch.py
         if leaks:
             self._fall_back(frames)
-        elif mb.late_due:  # the same on every rank: NOTE [ A late read, due on every rank ]
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._defer_late(mb))
+        elif mb.late_due:  # the same on every rank (NOTE [ A late read, due on every rank ])
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.late.defer(mb))
 
     def _stopped_short(self, mb) -> None:
         """A forward that stopped before the last HiLoRe layer (an early exit, a model cut for
@@ -296,77 +292,10 @@ class Elision:
                     frame.downgrade(pos, "R")
 
     # ------------------------------------------------------------------ late flags
-    # NOTE [ A late read, due on every rank ]
-    # The late flags of a backward (NOTE [ Checked elision ]) are this rank's: only a rank that
-    # elided sequences has any. Read where a rank has some and raised there alone, the others
-    # would step on the reduced, wrong gradients and then wait at their next collective -- and
-    # a process-wide optimizer pre-hook reads them at any optimizer's step, another runtime's
-    # included (an actor's flags at the critic's step). So whether a read is due is agreed on:
-    # a microbatch whose sequences were found zero on any rank (a flag riding on the
-    # elision's all-reduce at the coefficients, ``_agree``), or elided by hand on every rank
-    # alike (``downgrade(..., "E")``), leaves a late flag after its backward on every rank --
-    # this rank's own, or a host False where it elided nothing -- and every read of the flags
-    # (with the next coefficients, ``check_late``, ``end_step``, an optimizer's pre-hook) is
-    # then one all-reduce, on every rank at the same point, and raises on every rank. A step
-    # with no sequence found zero on any rank leaves no flag: no read, and no all-reduce. The
-    # pre-hook reads the runtimes in the order they were attached (the same on every rank).
-    def _defer_late(self, mb) -> None:
-        """The end of a backward: its per-layer flags folded into one, on the device, read with
-        the next read or before the next optimizer step (NOTE [ Two reads per microbatch ]);
-        a host False where this rank's backward checked none (NOTE [ A late read, due on every
-        rank ])."""
-        leaks, mb.late_leaks = mb.late_leaks, []
-        flag = torch.stack(leaks).any() if leaks else torch.zeros((), dtype=torch.bool)
-        self._late = flag if self._late is None else self._late | flag
-        _LATE.add(self)
-        _watch_optimizers()
-
-    def _take_late(self) -> torch.Tensor | None:
-        late, self._late = self._late, None
-        _LATE.discard(self)
-        return late
-
     def flush_late(self) -> None:
-        """Read the late flags now, where a read is due (on every rank alike, NOTE [ A late
-        read, due on every rank ]); raises on every rank if one is set on any: a leak is this
-        rank's, while the gradients about to be stepped on are every rank's once data
-        parallelism reduced them. Every rank calls it at the same point."""
-        late = self._take_late()
-        if late is None:
-            return
-        leaked = bool(late)
-        if self.runtime.collective is not None:
-            leaked = self.runtime.collective.all_reduce_max([int(leaked)])[0] > 0
-        if leaked:
-            raise _late_error()
-
-
-_ATTACHED_ORDER = itertools.count()  # Elision.order
-_LATE: "weakref.WeakSet[Elision]" = weakref.WeakSet()  # those holding late flags not read yet
-_OPTIMIZER_HOOK: list = []  # the handle of the step pre-hook, once registered
-
-
-def _watch_optimizers() -> None:
-    """Every torch optimizer reads the late flags before it steps (one hook per process)."""
-    if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
-
-
-def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    for elision in sorted(_LATE, key=lambda e: e.order):  # NOTE [ A late read, due on every rank ]
-        elision.flush_late()
-
-
-def _late_error() -> HiLoReError:
-    return HiLoReError(
-        "gradient reached sequences whose loss coefficients are zero through an intermediate "
-        "layer's hidden state (a loss on it that transformers did not record); their "
-        "activations had been elided, so the gradients accumulated since the last optimizer "
-        "step are wrong and no step may use them. Compute that loss from "
-        "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss. "
-        "Without such a loss, a kernel's backward turned the stand-in values of elided "
-        "sequences into gradient (NaN or not): set \"elide_zero_rows\": false in the \"hilore\" "
-        "block.")
+        """Read the late flags now, where a read is due; raises on every rank if one is set on
+        any (NOTE [ A late read, due on every rank ] in late.py)."""
+        self.late.flush()
 
 
 def _unit_exposure(frames, abs_omega: torch.Tensor, cols: int, offset, segments) -> dict:
@@ -438,9 +367,9 @@ def unverified_rows_to_r(runtime, frames, zero_of) -> None:
 # frames called without the microbatch's segments elide depending on that answer), and so
 # do the unit flags of the forward's failed checks (NOTE [ Collective fallback ] in
 # microbatch.py), the late flag of earlier backwards (an error on every rank at once) and
-# whether this microbatch leaves one (NOTE [ A late read, due on every rank ]), all read in
-# the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at the
-# coefficients decides everything there. The flags of the accumulation's last backward are
+# whether this microbatch leaves one (NOTE [ A late read, due on every rank ] in late.py),
+# all read in the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at
+# the coefficients decides everything there. The flags of the accumulation's last backward are
 # read before the optimizer step, by the engine on every rank (``check_late``), one more
 # all-reduce in a step that left some; the optimizer's pre-hook and ``end_step`` then find
 # nothing left. A rank that raised alone would leave the others stepping on the reduced,
