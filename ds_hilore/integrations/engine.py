@@ -407,7 +407,7 @@ def _restore_runtime_state(engine: Any, saved: Optional[Mapping], load_path: str
                        load_path, saved["setup"], current)
     else:
         engine._hilore_pending = (saved["runtime"], load_path)
-        if not runtime._units_known():
+        if not runtime.units_known():
             logger.info("HiLoRe state in checkpoint %s is restored once the recovery units are "
                         "found, at the first training forward.", load_path)
         runtime.when_units_known(lambda: _restore_for_units(engine, saved["runtime"], load_path))

@@ -361,27 +361,6 @@ class HiLoReRuntime(Installation, Plans):
             hidden = hidden_input(args, getattr(function, "keywords", {}))  # (B, T, H)
             self.policy.begin_forward((hidden,), {}, replayable=False)
 
-    def when_units_known(self, action) -> None:
-        """``action()`` once every layer's recovery units are known: now, or at the start of the
-        first training forward after the one that finds them (models without transformers'
-        decoder layers, or whose layers refused the probe: NOTE [ HiLoRe state in checkpoints ]
-        in integrations/engine.py). Under several ranks, it runs on every rank at that point."""
-        if self._units_known():
-            action()
-        else:
-            self._when_units.append(action)
-
-    def _run_when_units_known(self) -> None:
-        """A training forward begins: the actions waiting for the units run, once they are known."""
-        if self._when_units and self._units_known() and self.enabled and torch.is_grad_enabled() \
-                and not self._probing:
-            actions, self._when_units = self._when_units, []
-            for action in actions:
-                action()
-
-    def _units_known(self) -> bool:
-        return all(layer.split is not None for layer in self._layers)
-
     def _plans_forward(self) -> bool:
         return (self.policy is not None and self.enabled and torch.is_grad_enabled()
                 and not self._probing and all(layer.split is not None for layer in self._layers))

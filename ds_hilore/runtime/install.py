@@ -160,6 +160,30 @@ class Installation:
             logger.info("ds_hilore: %s; recovery units will be found at the first training "
                         "forward.", failure)
 
+    def when_units_known(self, action) -> None:
+        """``action()`` once every layer's recovery units are known: now, or at the start of the
+        first training forward after the one that finds them (models without transformers'
+        decoder layers, or whose layers refused the probe; e.g. a checkpoint's state, compared
+        with the units it was learned for). Under several ranks, it runs on every rank at that
+        point."""
+        if self.units_known():
+            action()
+        else:
+            self._when_units.append(action)
+
+    def _run_when_units_known(self) -> None:
+        """A training forward begins: the actions waiting for the units run, once they are known."""
+        if self._when_units and self.units_known() and self.enabled and torch.is_grad_enabled() \
+                and not self._probing:
+            actions, self._when_units = self._when_units, []
+            for action in actions:
+                action()
+
+    def units_known(self) -> bool:
+        """Whether every layer's recovery units are known (found by the probe at attach, or by
+        the first training forward)."""
+        return all(layer.split is not None for layer in self._layers)
+
     def _discover(self, layer: LayerUnits, function, args: tuple):
         device = hidden_input(args, getattr(function, "keywords", {})).device
         out, split = discovery.discover(layer, function, args, device,
