@@ -483,6 +483,31 @@ def test_setup_key_names_device_world_and_torch():
 
 
 # ---- the collective ----------------------------------------------------------------------
+def test_collective_agrees_host_values_over_a_gloo_group_where_the_backend_is_not_a_cpu_one(
+        monkeypatch):
+    """NOTE [ One decision for every rank ]: under NCCL the collective makes one gloo group
+    when it is made (at attach) and reduces host values over it, never over NCCL."""
+    import torch.distributed as dist
+
+    from ds_hilore.runtime import collective as collective_mod
+
+    make(ds_config(enabled=False))  # makes sure the process group exists
+    made, reduced = [], []
+    new_group, all_reduce = dist.new_group, dist.all_reduce
+    monkeypatch.setattr(collective_mod.dist, "new_group", lambda ranks=None, backend=None: (
+        made.append(backend), new_group(backend="gloo"))[1])
+    monkeypatch.setattr(collective_mod.dist, "all_reduce", lambda tensor, op=None, group=None: (
+        reduced.append((tensor.device.type, group)), all_reduce(tensor, op=op, group=group))[1])
+    with monkeypatch.context() as nccl:
+        nccl.setattr(collective_mod.dist, "get_backend", lambda group=None: "nccl")
+        collective = collective_mod.TorchDistCollective()
+    assert made == ["gloo"] and collective.host_group is not None and collective.device == "cpu"
+    assert collective.all_reduce_max([3, 2**40]) == [3, 2**40]
+    grad = torch.ones(3)
+    collective.all_reduce_sum_tensor(grad)  # a host tensor: the host group too
+    assert reduced == [("cpu", collective.host_group)] * 2 and made == ["gloo"]
+
+
 def test_collective_on_one_rank():
     make(ds_config(enabled=False))  # makes sure the process group exists
     collective = engine_mod.TorchDistCollective()
