@@ -216,8 +216,9 @@ def checkpointing_on(layers: list[LayerUnits]) -> bool:
 #   through its module, whose pre-forward hook gathers the parameters again, as for torch's
 #   own checkpointing; parameters and their gradients are DTensors (read through their local
 #   shards).
-# * FSDP1 (``FullyShardedDataParallel`` wrapping the decoder layers): a recompute runs inside
-#   the wrapped layer's backward, after FSDP gathered its parameters for it.
+# * FSDP1 (``FullyShardedDataParallel`` wrapping the decoder layers; tested with
+#   ``use_orig_params=True``): a recompute runs inside the wrapped layer's backward, after
+#   FSDP gathered its parameters for it.
 # * DeepSpeed: through ``ds_hilore.initialize``, which attaches to the engine's module.
 # Refused at attach, with the way in: torch.nn.DataParallel (replicas run in threads of one
 # process, each would need its own runtime), a DeepSpeed engine handed to ``attach`` (its step
