@@ -5,7 +5,9 @@ tests/workers/data_parallel_worker.py (its docstring says what each case runs).
 Under every wrapper, ``force_plan`` H and R give gradients bitwise those of HF's gradient
 checkpointing on each rank, and so does the planner (``low_precision: "none"``), whose plans are
 the same on both ranks although each rank's microbatches are of another length (NOTE [ One
-decision for every rank ] in ds_hilore/runtime/collective.py). In one process: the wrappers
+decision for every rank ] in ds_hilore/runtime/collective.py); a step whose loss coefficients
+are all zero runs its layers' backward, which the wrappers' gradient hooks need (NOTE [ A
+backward of zeros ] in ds_hilore/runtime/zero_backward.py). In one process: the wrappers
 HiLoRe does not support are refused at attach, naming the way in."""
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def test_attach_under_a_data_parallel_wrapper_is_exact_and_agreed_over_ranks(ran
         for mode in ("H", "R", "planner"):
             assert rank[mode]["digests"] == reference, (wrapper, mode)
             assert rank[mode]["collective"] == "TorchDistCollective", (wrapper, mode)
+            # the wrapper's hooks reduce every gradient as it is made: no backward skipped
+            assert rank[mode]["skipped"] == [0, 0, 0], (wrapper, mode)
     plans = [rank["planner"]["plans"] for rank in got]
     assert plans[0] == plans[1], plans  # one bucket (the longer rank's), one plan, every step
     assert list(plans[0][-1]) == ["2x32"] and plans[0][-1]["2x32"] is not None, plans[0]

@@ -28,7 +28,8 @@ from ds_hilore.runtime.calls import drop_cache, hidden_input
 from ds_hilore.runtime.codecs import codec_from_config
 from ds_hilore.runtime.collective import collective_for_attach
 from ds_hilore.runtime.elision import Elision, gradient_entry
-from ds_hilore.runtime.install import Installation, checkpointing_on, refuse_unsupported_wrappers
+from ds_hilore.runtime.install import (Installation, checkpointing_on, reduces_in_hooks,
+                                       refuse_unsupported_wrappers)
 from ds_hilore.runtime.microbatch import Microbatch
 from ds_hilore.runtime.plans import ACTIONS, Plans
 from ds_hilore.runtime.registry import ATTACHED as _ATTACHED  # noqa: F401 (importable here)
@@ -70,7 +71,7 @@ class HiLoReRuntime(Installation, Plans):
         # NOTE [ One decision for every rank ] in collective.py: made at attach, several ranks
         self.collective = None
         # NOTE [ A backward of zeros ] in zero_backward.py: off where gradient hooks reduce every
-        # gradient as it is made (ZeRO stages 1-3; engine.py)
+        # gradient as it is made (ZeRO stages 1-3: engine.py; DDP, FSDP: at attach, below)
         self.zero_backward_skip = True
         # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
         # of set_plan / force_plan holds. The runtime calls it at fixed points and never
@@ -118,6 +119,8 @@ class HiLoReRuntime(Installation, Plans):
         self.script_checkpointing = checkpointing_on(self._layers)
         _refuse_a_second_runtime(model)
         self.collective = collective_for_attach()  # every rank attaches together
+        # NOTE [ A backward of zeros ]: off where hooks may reduce each gradient as it is made
+        self.zero_backward_skip = self.collective is None and not reduces_in_hooks(model)
         self._install()
         try:  # a failed attach leaves the model as it found it
             self._probe()

@@ -249,6 +249,20 @@ def refuse_unsupported_wrappers(model: torch.nn.Module) -> None:
             f"data parallelism only. {supported}")
 
 
+def reduces_in_hooks(model: torch.nn.Module) -> bool:
+    """Whether a wrapper in ``model`` reduces each gradient in a hook as it is made (DDP, FSDP1,
+    FSDP2): the layers' backward of a microbatch of zeros then runs (NOTE [ A backward of
+    zeros ] in zero_backward.py)."""
+    kinds: tuple = (torch.nn.parallel.DistributedDataParallel,)
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        kinds += (FSDPModule, FullyShardedDataParallel)
+    except ImportError:
+        pass
+    return any(isinstance(module, kinds) for module in model.modules())
+
+
 def _tensor_parallel(model: torch.nn.Module) -> bool:
     """Whether a parameter is a DTensor that no FSDP2 module above it manages."""
     try:

@@ -1,8 +1,10 @@
 """Worker for tests/test_data_parallel.py: ``ds_hilore.attach`` (no DeepSpeed) under torch's
 data-parallel wrappers on 2 CPU ranks (gloo), NOTE [ Data parallel wrappers ] in
 ds_hilore/runtime/install.py. Run by tests.launch.run_distributed; each ``--case`` wraps a tiny
-Llama (2 layers, attention dropout on) and trains 3 optimizer steps of one microbatch, rank 1's
-microbatches longer than rank 0's (16 and 24 positions: shape buckets 16 and 32 on their own):
+Llama (2 layers, attention dropout on) and trains 3 optimizer steps of one microbatch of a GRPO
+loss, rank 1's microbatches longer than rank 0's (16 and 24 positions: shape buckets 16 and 32
+on their own), the second step's advantages all zero on both ranks (a backward of zeros, which
+the wrappers' gradient hooks must still see):
 
 * ``ddp``: DistributedDataParallel around the model, HiLoRe attached to the wrapper;
 * ``fsdp2``: ``fully_shard`` on each decoder layer and on the model;
@@ -10,8 +12,8 @@ microbatches longer than rank 0's (16 and 24 positions: shape buckets 16 and 32 
 
 each with HF's non-reentrant gradient checkpointing (the reference), ``force_plan`` H and R,
 and the planner (``low_precision: "none"``: every plan exact). Reported per run: the SHA-256 of
-this rank's gradients after each step (its shard under FSDP), the collective's class, and, for
-the planner, each step's plans. ``tensor_parallel``: a layer's projection parallelized with
+this rank's gradients after each step (its shard under FSDP), the collective's class, each
+step's count of skipped layer backwards, and, for the planner, each step's plans. ``tensor_parallel``: a layer's projection parallelized with
 DTensor (no FSDP): reports what ``attach`` raised.
 """
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from tests.launch import case_arguments, run_cases
 
 STEPS = 3
+ADVANTAGES = ([1.0, -1.0], [0.0, 0.0], [0.5, -0.5])  # per step, on both ranks
 PLANNER = {"low_precision": "none", "profile_microbatches": 1, "plan_validation_microbatches": 0,
            "calibration_microbatches": 0, "memory_budget": 1.5}
 
@@ -69,6 +72,7 @@ def _digest(module) -> str:
 def _train(kind: str, mode: str) -> dict:
     """3 steps; ``mode`` "gc" (HF's checkpointing), "H", "R" (force_plan) or "planner"."""
     import ds_hilore
+    from ds_hilore.grpo import policy_loss
     from tests.models import VOCAB
 
     wrapped, model = _wrapped(kind)
@@ -77,15 +81,18 @@ def _train(kind: str, mode: str) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         runtime = ds_hilore.attach(wrapped, PLANNER if mode == "planner" else {"force_plan": mode})
-    rank, digests, plans = dist.get_rank(), [], []
+    rank, digests, plans, skipped = dist.get_rank(), [], [], []
     for step in range(STEPS):
         length = 16 + 8 * rank
         ids = torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(10 * step + rank))
         torch.manual_seed(100 + step)  # the same dropout draws for every mode
         logits = wrapped(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).mean().backward()
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        policy_loss(logp, logp.detach(), torch.tensor(ADVANTAGES[step]), mask, model=model).loss.backward()
         if runtime is not None:
             runtime.end_step()
+            skipped.append(runtime.stats["backward_skipped"])
             if runtime.policy is not None:
                 plans.append(runtime.policy.stats["plans"])
         digests.append(_digest(wrapped))
@@ -93,7 +100,7 @@ def _train(kind: str, mode: str) -> dict:
     collective = type(runtime.collective).__name__ if runtime is not None else None
     if runtime is not None:
         runtime.detach()
-    return {"digests": digests, "collective": collective, "plans": plans}
+    return {"digests": digests, "collective": collective, "plans": plans, "skipped": skipped}
 
 
 def _case(kind: str) -> dict:
