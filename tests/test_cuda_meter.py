@@ -297,3 +297,38 @@ def test_a_partial_check_is_repeated_and_gives_no_credit(scheduler, credited):
     bucket.plan = dataclasses.replace(bucket.plan, actions={"w": "H"})
     _checked(scheduler, bucket, cuda, 640, partial=True)  # a partial overshoot still cuts
     assert bucket.headroom_cut == 46 * MiB and planned == [-46 * MiB]
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["relative", "absolute"])
+def test_memory_the_process_grew_by_before_a_check_is_no_overshoot_of_the_plan(
+        scheduler, monkeypatch, caplog, relative):
+    """NOTE [ Growth that is not the plan's ]: the check's microbatch starts with 80 MiB more in
+    use than the profile's baseline (caches the process grew by since) and peaks 40 MiB over
+    the budget: 40 under it without that growth, so no cut and no overshoot; under an absolute
+    budget the growth is charged to the bucket, which is planned again."""
+    from ds_hilore.plan.allocate import Plan
+    from ds_hilore.plan.profile import BucketProfile, Profiler
+    from ds_hilore.plan.scheduler import Bucket
+
+    scheduler.config = HiLoReConfig(**({"memory_budget": 2.0} if relative else
+                                       {"memory_budget_bytes": 600 * MiB}))
+    profile = BucketProfile((2, 8), [], gc_peak_bytes=300 * MiB, baseline_bytes=100 * MiB,
+                            repeats=1, seconds=0.0)
+    plan = Plan({"u": "H"}, 250 * MiB, 1.0, 0.0, 300 * MiB, 0.0)
+    bucket = Bucket((2, 8), Profiler((2, 8), 1), profile, plan=plan, budget_bytes=600 * MiB,
+                    priced_gc_peak=300 * MiB)
+    planned = []
+    monkeypatch.setattr(scheduler, "_plan_bucket", lambda b, profiled=True: planned.append(
+        (b.profile.baseline_bytes, b.profile.gc_peak_bytes)))
+    cuda = _FakeCuda(allocated=180 * MiB, peak=180 * MiB, reserved=180 * MiB)
+    cuda.install(monkeypatch)
+    with caplog.at_level("INFO", logger="ds_hilore"):
+        _checked(scheduler, bucket, cuda, 640)
+    assert bucket.checked is plan and bucket.headroom_cut == 0 and not bucket.overshot
+    if relative:  # GC's own peak would hold it too: nothing to charge
+        assert planned == [] and bucket.fit_actions == plan.actions
+        assert (profile.baseline_bytes, profile.gc_peak_bytes) == (100 * MiB, 300 * MiB)
+    else:  # memory the budget no longer has: charged, planned again, the new plan checked
+        assert planned == [(180 * MiB, 380 * MiB)] and bucket.fit_actions is None
+        assert "80.0 MiB in use appeared after 2x8 was profiled" in caplog.text
+    assert "over the memory budget" not in caplog.text

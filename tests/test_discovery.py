@@ -6,6 +6,8 @@ each test names the defect it pins.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -62,6 +64,55 @@ def test_a_unit_output_read_after_the_unit_is_kept_for_the_fast_forward():
     assert [u.name for u in runtime.units] == ["0.attn", "0.mlp", "1.attn", "1.mlp"]
     assert runtime.units[0].children == ("input_layernorm", "self_attn", "post_attention_layernorm")
     assert runtime.units[1].children == ("mlp",)
+    for plan in PLANS:
+        runtime.set_plan(plan)
+        got = _grads(model, x)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), plan
+
+
+class _OtherRanks:
+    """``runtime.collective`` of 2 ranks, the other one simulated (NOTE [ One split for every
+    rank ]): rank 0 ranks a layer's candidate splits ``ranking`` (None: as this rank does),
+    and the other rank's verification of the splits after call ``failed`` fails."""
+
+    def __init__(self, ranking=None, failed=()):
+        self.ranking, self.failed = ranking, set(failed)
+        self.mine: list[list[int]] = []  # this rank's own rankings, one per layer discovered
+
+    def broadcast_object(self, obj):
+        if sys._getframe(1).f_code.co_name != "_choose":
+            return obj
+        self.mine.append(list(obj))
+        return list(obj) if self.ranking is None else list(self.ranking)
+
+    def all_reduce_max(self, values):
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "verify" and caller.f_locals["k"] in self.failed:
+            return [2]  # not reproduced there
+        return list(values)
+
+    def all_reduce_max_float(self, values):
+        return list(values)
+
+
+CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+@pytest.mark.parametrize("ranking, failed, after", [([1, 2, 0], (), 1), (None, (2,), 0)],
+                         ids=["rank_0_ranks_another_first", "another_rank_fails_the_first"])
+def test_every_rank_splits_a_layer_as_rank_0_ranked_it_where_every_rank_verifies_it(
+        ranking, failed, after):
+    torch.manual_seed(0)
+    model = nn.Sequential(PostNormBlock(), PostNormBlock()).train()
+    x = torch.randn(3, 7, 16)
+    ref = _grads(model, x)
+    runtime = ds_hilore.attach(model, dict(EXACT, layer_pattern="[0-9]"))
+    collective = runtime.collective = _OtherRanks(ranking, failed)
+    _grads(model, x)  # discovery: every layer of the kind is split alike
+    assert collective.mine == [[2, 0, 1]]  # alone, this rank splits after the second norm
+    assert runtime.units[0].children == CHILDREN[:after + 1]  # where every rank splits
+    assert runtime.units[1].children == CHILDREN[after + 1:]
+    assert runtime.units[2].children == CHILDREN[:after + 1]  # the other layer alike
     for plan in PLANS:
         runtime.set_plan(plan)
         got = _grads(model, x)

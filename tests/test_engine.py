@@ -189,9 +189,12 @@ def test_end_step_once_per_optimizer_step(gc_reference):
     engine = make(ds_config(force_plan="H"))
     calls = []
     original = engine.hilore.end_step
-    engine.hilore.end_step = lambda: (calls.append(engine.global_steps), original())[1]
+    engine.hilore.end_step = lambda **kw: (calls.append(engine.global_steps), original(**kw))[1]
     assert run(engine) == gc_reference  # 2 steps x GAS 2 micro-steps
     assert calls == [1, 2]
+    stats = engine.hilore.stats  # the step it describes: DeepSpeed's, each micro-step's place
+    assert stats["step"] == engine.global_steps == 2
+    assert [m["position"] for m in stats["microbatches"]] == [0, 1]
     assert engine.hilore.stats["actions"] == {"H": 8, "L": 0, "R": 0, "E": 0}  # last step: 2 x 4 units
     assert engine.hilore.stats["recomputed_units"] == 0
 
@@ -417,6 +420,62 @@ def test_checkpoint_key_collision_is_an_error(tmp_path):
         engine.save_checkpoint(str(tmp_path), client_state={engine_mod.CHECKPOINT_KEY: 1})
 
 
+class _Block(torch.nn.Module):
+    """A decoder-layer-like block of no transformers class: its units are found at the first
+    training forward (``layer_pattern``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+def _blocks_engine():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block()).train()
+    config = ds_config(layer_pattern="[0-9]", low_precision="none", profile_microbatches=1,
+                       plan_validation_microbatches=0)
+    engine, *_ = engine_mod.initialize(model=model, model_parameters=model.parameters(),
+                                       config=config)
+    return engine
+
+
+def _blocks_step(engine, seed: int) -> None:
+    for micro in range(2):  # gradient_accumulation_steps
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(10 * seed + micro))
+        engine.backward(engine(x).square().sum())
+        engine.step()
+
+
+def test_checkpoint_restores_state_where_units_are_found_at_the_first_forward(tmp_path, caplog):
+    """Units found at the first training forward (no probe): the loaded state is compared with
+    them once they are known, and restored -- no "dropped", no profiling again; a save before
+    then writes the loaded state."""
+    saver = _blocks_engine()
+    for seed in range(3):
+        _blocks_step(saver, seed)
+    saved = saver.hilore.state_dict()
+    assert len(saved["plan"]) == 4 and len(saved["policy"]["profiles"]) == 1
+    saver.save_checkpoint(str(tmp_path), tag="t")
+    loader = _blocks_engine()
+    assert loader.hilore.units == ()
+    with caplog.at_level(logging.INFO, logger="ds_hilore.integrations.engine"):
+        loader.load_checkpoint(str(tmp_path), tag="t")
+        loader.save_checkpoint(str(tmp_path), tag="again")  # before the units are found
+        loader.load_checkpoint(str(tmp_path), tag="again")
+        _blocks_step(loader, 7)  # finds the units; the restore comes at the next forward
+        assert "dropped" not in caplog.text and "restored once the recovery units" in caplog.text
+    bucket, = saved["policy"]["profiles"]
+    restored = loader.hilore.policy.buckets[tuple(bucket["key"])]
+    assert restored.profile.to_dict() == bucket and restored.plan is not None
+    assert "no recalibration" in caplog.text
+    assert loader.hilore.state_dict()["policy"]["profiles"] == [bucket]  # profiled nothing again
+
+
 def test_setup_key_names_device_world_and_torch():
     key = engine_mod.setup_key()
     assert key == {"device_type": "cpu", "device_name": "cpu", "world_size": 1,
@@ -424,6 +483,31 @@ def test_setup_key_names_device_world_and_torch():
 
 
 # ---- the collective ----------------------------------------------------------------------
+def test_collective_agrees_host_values_over_a_gloo_group_where_the_backend_is_not_a_cpu_one(
+        monkeypatch):
+    """NOTE [ One decision for every rank ]: under NCCL the collective makes one gloo group
+    when it is made (at attach) and reduces host values over it, never over NCCL."""
+    import torch.distributed as dist
+
+    from ds_hilore.runtime import collective as collective_mod
+
+    make(ds_config(enabled=False))  # makes sure the process group exists
+    made, reduced = [], []
+    new_group, all_reduce = dist.new_group, dist.all_reduce
+    monkeypatch.setattr(collective_mod.dist, "new_group", lambda ranks=None, backend=None: (
+        made.append(backend), new_group(backend="gloo"))[1])
+    monkeypatch.setattr(collective_mod.dist, "all_reduce", lambda tensor, op=None, group=None: (
+        reduced.append((tensor.device.type, group)), all_reduce(tensor, op=op, group=group))[1])
+    with monkeypatch.context() as nccl:
+        nccl.setattr(collective_mod.dist, "get_backend", lambda group=None: "nccl")
+        collective = collective_mod.TorchDistCollective()
+    assert made == ["gloo"] and collective.host_group is not None and collective.device == "cpu"
+    assert collective.all_reduce_max([3, 2**40]) == [3, 2**40]
+    grad = torch.ones(3)
+    collective.all_reduce_sum_tensor(grad)  # a host tensor: the host group too
+    assert reduced == [("cpu", collective.host_group)] * 2 and made == ["gloo"]
+
+
 def test_collective_on_one_rank():
     make(ds_config(enabled=False))  # makes sure the process group exists
     collective = engine_mod.TorchDistCollective()

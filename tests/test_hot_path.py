@@ -314,11 +314,12 @@ def test_elision_auto_elides_rows_on_cpu_and_whole_microbatches_on_accelerators(
 
 class LateOnOtherRank:
     """``runtime.collective`` of two ranks whose other rank's last backward leaked: the late
-    flag it sends with the elision's decision (last of the vector ``_agree`` all-reduces)."""
+    flag it sends with the elision's decision (the vector ``_agree`` all-reduces ends with it
+    and whether this microbatch leaves one)."""
 
     def all_reduce_max(self, values):
         if sys._getframe(1).f_code.co_name == "_agree":
-            return [*values[:-1], 1]
+            return [*values[:-2], 1, values[-1]]
         return list(values)
 
 

@@ -1,5 +1,5 @@
 """The check of a plan's peak (NOTE [ The plan's peak, checked ] and NOTE [ Headroom a checked
-plan left ] in plan/metering.py), on CPU with real models and op-level windows: a microbatch
+plan left ] in plan/checks.py), on CPU with real models and op-level windows: a microbatch
 run in part checks a plan without passing it, one that runs it whole passes it; a plan whose
 price (GC's peak plus what it was priced to add) exceeds its peak well gives its bucket the excess (less two margins) as headroom; plans re-solved per microbatch
 stay within the headroom without it.
@@ -44,7 +44,8 @@ def _microbatch(model, runtime, seed: int) -> None:
 
 class _Recording:
     """One rank's collective that records what each plan's check reduces: (over the budget,
-    partial, under the GC peak it was priced on, its peak less its price), in bytes."""
+    partial, under the GC peak it was priced on, its peak less its price, in use at its start
+    beyond the profile's baseline), in bytes."""
 
     def __init__(self):
         self.checks: list[list[float]] = []
@@ -90,7 +91,7 @@ def test_a_plan_priced_well_above_its_peak_gives_the_excess_as_headroom(monkeypa
         with caplog.at_level(logging.INFO, logger="ds_hilore"):
             _microbatch(model, runtime, 3)  # the plan's first microbatch: checked
         assert len(collective.checks) == 1
-        over, partial, under_gc, short = collective.checks[0]
+        over, partial, under_gc, short, grown = collective.checks[0]
         margin = max(MiB, bucket.budget_bytes // 100)
         excess = -short
         assert over < 0 and partial == 0 and under_gc <= 0 and excess >= 3 * margin, \
@@ -137,5 +138,55 @@ def test_a_microbatch_run_in_part_does_not_pass_the_plan(monkeypatch):
         _microbatch(model, runtime, 4)  # no prediction: the plan itself, every sequence
         assert len(collective.checks) == checks + 2 and collective.checks[-1][1] == 0
         assert bucket.checked is plan  # (and planned again if it left room: a credit)
+    finally:
+        runtime.detach()
+
+
+def _microbatch_of(model, runtime, length: int, seed: int, transient: int = 0) -> None:
+    """A microbatch of ``length`` positions; ``transient`` bytes more made after its forward
+    and held to the end of its backward (what a plan's price does not see)."""
+    ids = torch.randint(3, VOCAB, (B, length), generator=torch.Generator().manual_seed(seed))
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    held = torch.ones(transient // 4) if transient else None
+    loss.backward()
+    del held, loss, logits
+    model.zero_grad(set_to_none=True)
+    runtime.end_step()
+
+
+@pytest.mark.parametrize("transient_mib", [0, 128])
+def test_a_plan_is_checked_at_a_microbatch_longer_than_every_profiled_one(monkeypatch, caplog,
+                                                                          transient_mib):
+    """Profiled at 40 and 48 positions, the plan of the 64 bucket first runs at 64: it is
+    checked there, against the budget priced at 64 (GC's peak grown per token): one that fits
+    passes it, one that holds 128 MiB the price does not see is caught and its headroom cut."""
+    equal_utilities(monkeypatch)
+    model = _model()
+    runtime = ds_hilore.attach(model, dict(CONFIG, memory_budget=1.5))
+    collective = runtime.collective = _Recording()
+    try:
+        for seed, length in enumerate((40, 48)):  # profiled
+            _microbatch_of(model, runtime, length, seed)
+        with caplog.at_level(logging.INFO, logger="ds_hilore"):
+            _microbatch_of(model, runtime, 64, 2, transient=transient_mib * MiB)  # planned
+        bucket = runtime.policy.buckets[(B, 64)]
+        assert (bucket.shortest, bucket.longest) == (40, 48)
+        assert len(collective.checks) == 1, "the plan's first microbatch was not checked"
+        plan = bucket.checked
+        assert plan is not None and any(a != "R" for a in plan.actions.values()), plan
+        profile = bucket.profile
+        grown = profile.baseline_bytes + (profile.gc_peak_bytes - profile.baseline_bytes) * 64 / 48
+        budget_at = runtime.policy.metering.budget_at(bucket, 64)
+        assert budget_at == int(bucket.budget_bytes * grown / profile.gc_peak_bytes) > \
+            bucket.budget_bytes
+        assert runtime.policy.metering.budget_at(bucket, 48) == bucket.budget_bytes
+        over = collective.checks[0][0]
+        if transient_mib:
+            assert over > 0 and bucket.overshot and bucket.headroom_cut == \
+                int(over) + max(MiB, bucket.budget_bytes // 100)
+            assert "peaked" in caplog.text and bucket.plan is not plan  # planned again
+        else:
+            assert over <= 0 and bucket.headroom_cut == 0 and bucket.fit_actions == plan.actions
     finally:
         runtime.detach()

@@ -42,6 +42,14 @@ def test_a_leak_on_one_rank_stops_every_rank_before_the_optimizer_steps(ranks):
         assert rank["global_steps"] == 1, rank  # the optimizer did not step on the wrong gradients
 
 
+def test_a_leak_read_at_another_engines_optimizer_step_stops_every_rank(ranks):
+    got = [_case(r, "late_leak_two_engines") for r in ranks]
+    for rank in got:  # the second step raises at the critic's optimizer step, on both ranks
+        assert rank["raised"][0] is None, rank
+        assert len(rank["raised"]) == 2 and "gradient reached sequences" in rank["raised"][1], rank
+        assert rank["critic_steps"] == 1, rank  # the critic's optimizer did not step either
+
+
 def test_a_packed_row_on_one_rank_skips_the_backward_as_the_other_ranks_do(ranks):
     got = [_case(r, "packed_skip") for r in ranks]
     for rank in got:

@@ -271,6 +271,32 @@ def test_gradient_checkpointing_toggle_and_no_grad():
     assert layer.gradient_checkpointing and type(layer._gradient_checkpointing_func).__name__ == "partial"
 
 
+def test_stats_say_which_step_and_which_microbatch_of_it_they_describe():
+    """``stats`` describe the last step ``end_step`` closed -- inside a step, the one before:
+    ``stats["step"]`` says which, and each microbatch its position in it."""
+    model = _build("llama", lora=False)
+    runtime = ds_hilore.attach(model, EXACT_CONFIG)
+    inputs = batch()
+
+    def described():
+        stats = runtime.stats
+        return stats["step"], [(m["position"], m["index"]) for m in stats["microbatches"]]
+
+    loss_and_grads(model, inputs)
+    assert described() == (1, [(0, 0)])  # before any step was closed: the one in progress
+    loss_and_grads(model, inputs)
+    runtime.end_step()
+    assert described() == (1, [(0, 0), (1, 1)])
+    loss_and_grads(model, inputs)  # inside step 2: still step 1
+    assert described() == (1, [(0, 0), (1, 1)])
+    runtime.end_step()
+    assert described() == (2, [(0, 2)])
+    runtime.end_step(step=7)  # numbered by the caller (DeepSpeed's global_steps)
+    assert described() == (7, [])
+    assert runtime.state_dict()["steps"] == 7
+    runtime.detach()
+
+
 def test_activation_checkpointing_names_switch_too():
     model = _build("qwen2", lora=False)
     if not hasattr(model, "activation_checkpointing_disable"):

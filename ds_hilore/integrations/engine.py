@@ -36,6 +36,7 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from ds_hilore._errors import HiLoReConfigError, HiLoReError
 from ds_hilore.config import HiLoReConfig
+from ds_hilore.runtime.collective import TorchDistCollective  # noqa: F401 (importable here)
 
 __all__ = ["initialize", "initialize_with_fallback", "trains", "TorchDistCollective", "setup_key",
            "CHECKPOINT_KEY"]
@@ -179,8 +180,6 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
     try:  # an engine that cannot take HiLoRe leaves its model as it found it
         if follow_script:
             runtime.follow_script_checkpointing()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            runtime.collective = TorchDistCollective()
         # NOTE [ A backward of zeros ] in runtime/zero_backward.py: ZeRO 1-3 reduce gradients in
         # hooks
         runtime.zero_backward_skip = engine.zero_optimization_stage() == 0
@@ -264,7 +263,7 @@ class HiLoReEngineMixin:
         steps_before = self.global_steps
         result = super().step(*args, **kwargs)
         if self.global_steps != steps_before:
-            self.hilore.end_step()
+            self.hilore.end_step(step=self.global_steps)
             self.hilore.sync_plan()
             self._log_hilore_stats()
         return result
@@ -275,14 +274,16 @@ class HiLoReEngineMixin:
         if CHECKPOINT_KEY in client_state:
             raise HiLoReError(f"client_state has the key {CHECKPOINT_KEY!r}, which ds_hilore uses "
                               "for HiLoRe's learned state. Fix: rename your key.")
-        client_state[CHECKPOINT_KEY] = {"setup": setup_key(), "runtime": self.hilore.state_dict()}
+        pending = getattr(self, "_hilore_pending", None)  # loaded, the units not found yet
+        state = pending[0] if pending is not None else self.hilore.state_dict()
+        client_state[CHECKPOINT_KEY] = {"setup": setup_key(), "runtime": state}
         return super().save_checkpoint(save_dir, tag, client_state, *args, **kwargs)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         load_path, client_state = super().load_checkpoint(*args, **kwargs)
         if load_path is None or client_state is None:
             return load_path, client_state
-        _restore_runtime_state(self.hilore, client_state.pop(CHECKPOINT_KEY, None), load_path)
+        _restore_runtime_state(self, client_state.pop(CHECKPOINT_KEY, None), load_path)
         return load_path, client_state
 
     def _log_hilore_stats(self) -> None:
@@ -374,7 +375,12 @@ def _step_line(step: int, name: str, digest: str, stats: Mapping) -> str:
 # that decides plans from all-reduced statistics and broadcasts them), so every rank
 # restoring the same copy keeps plans identical across ranks.
 # Timings and calibration only hold on the setup that measured them, so the state is keyed
-# by setup_key(); on a different setup it is dropped and HiLoRe profiles again.
+# by setup_key(); on a different setup it is dropped and HiLoRe profiles again. They hold
+# only for the recovery units they were learned for, compared once the units are known: at
+# load for a transformers model (found by the probe at attach), at the start of the first
+# training forward after the one that finds them otherwise (a ``layer_pattern`` model,
+# OpenRLHF's critic, which refuses the probe); until then the loaded state is what a save
+# writes. Compared earlier, against no units at all, every such resume would drop it.
 def setup_key() -> dict[str, Any]:
     """What learned state depends on: device type (and model), world size, torch version."""
     accelerator = get_accelerator()
@@ -385,14 +391,9 @@ def setup_key() -> dict[str, Any]:
             "torch_version": torch.__version__}
 
 
-def _restore_runtime_state(runtime: Any, saved: Optional[Mapping], load_path: str) -> None:
-    current = setup_key()
-    # learned for these recovery units: another model, layer_pattern or children override
-    # would plan units it never profiled, or name units this run does not have
-    saved_units = sorted((saved or {}).get("runtime", {}).get("plan", {}))
-    units = sorted(u.name for u in runtime.units)
-    other_units = saved is not None and saved_units != units
-    mismatch = saved is not None and (saved["setup"] != current or other_units)
+def _restore_runtime_state(engine: Any, saved: Optional[Mapping], load_path: str) -> None:
+    runtime, current = engine.hilore, setup_key()
+    mismatch = saved is not None and saved["setup"] != current
     if saved is not None and runtime.collective is not None:
         # kept or dropped on every rank alike: restoring broadcasts plans (a collective), and
         # ranks of different devices (setup_key's device_name) would otherwise differ
@@ -400,19 +401,41 @@ def _restore_runtime_state(runtime: Any, saved: Optional[Mapping], load_path: st
     if saved is None:
         logger.info("checkpoint %s has no HiLoRe state (saved without ds_hilore): HiLoRe "
                     "profiles and calibrates from scratch.", load_path)
-    elif other_units:
-        logger.warning("HiLoRe state in checkpoint %s was learned for %d recovery units (%s ..), "
-                       "this run has %d (%s ..): another model, layer_pattern or children "
-                       "override; dropped; HiLoRe profiles and calibrates again.", load_path,
-                       len(saved_units), saved_units[:1], len(units), units[:1])
     elif mismatch:
         logger.warning("HiLoRe state in checkpoint %s was learned on %s, this run is %s (on this "
                        "rank or another): dropped; HiLoRe profiles and calibrates again.",
                        load_path, saved["setup"], current)
     else:
-        runtime.load_state_dict(saved["runtime"])
-        logger.info("HiLoRe state restored from checkpoint %s (same setup: no recalibration).",
-                    load_path)
+        engine._hilore_pending = (saved["runtime"], load_path)
+        if not runtime.units_known():
+            logger.info("HiLoRe state in checkpoint %s is restored once the recovery units are "
+                        "found, at the first training forward.", load_path)
+        runtime.when_units_known(lambda: _restore_for_units(engine, saved["runtime"], load_path))
+
+
+def _restore_for_units(engine: Any, state: Mapping, load_path: str) -> None:
+    """The learned state back, once the runtime's units are known (NOTE [ HiLoRe state in
+    checkpoints ]): only for the units it was learned for."""
+    runtime = engine.hilore
+    if getattr(engine, "_hilore_pending", (None,))[0] is not state:
+        return  # a later load_checkpoint replaced it
+    engine._hilore_pending = None
+    # learned for these recovery units: another model, layer_pattern or children override
+    # would plan units it never profiled, or name units this run does not have
+    saved_units = sorted(state.get("plan", {}))
+    units = sorted(u.name for u in runtime.units)
+    other_units = saved_units != units
+    if runtime.collective is not None:  # the units are agreed on; the answer too
+        other_units = runtime.collective.all_reduce_max([int(other_units)])[0] > 0
+    if other_units:
+        logger.warning("HiLoRe state in checkpoint %s was learned for %d recovery units (%s ..), "
+                       "this run has %d (%s ..): another model, layer_pattern or children "
+                       "override; dropped; HiLoRe profiles and calibrates again.", load_path,
+                       len(saved_units), saved_units[:1], len(units), units[:1])
+        return
+    runtime.load_state_dict(state)
+    logger.info("HiLoRe state restored from checkpoint %s (same setup: no recalibration).",
+                load_path)
 
 
 # ---- memory budget -----------------------------------------------------------------------
@@ -443,60 +466,3 @@ def _check_budget(runtime: Any, hilore_config: HiLoReConfig) -> None:
         UserWarning, stacklevel=5)
     if not forced:
         runtime.set_plan("R")
-
-
-# ---- rank consistency --------------------------------------------------------------------
-class TorchDistCollective:
-    """``runtime.collective`` over torch.distributed: every rank executes the same plan.
-
-    Rank 0 of the group decides (from all-reduced statistics) and broadcasts the action
-    vector; ZeRO-3 gathers are collectives, so ranks with different plans would hang.
-    Every method is a collective: all ranks must call it, in the same order, with lists of
-    the same length.
-    """
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group  # None = the default (world) group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        cpu_backends = ("gloo", "mpi", "ccl")
-        self.device = "cpu" if dist.get_backend(group) in cpu_backends else \
-            get_accelerator().current_device_name()
-
-    def broadcast_actions(self, actions: list[str]) -> list[str]:
-        """Rank 0's ``actions`` on every rank (other ranks' input is ignored)."""
-        box = [list(actions) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
-        return box[0]
-
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` (picklable) on every rank."""
-        box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
-        return box[0]
-
-    def all_reduce_max_float(self, values: list[float]) -> list[float]:
-        """Element-wise max over ranks (float64)."""
-        return self._all_reduce(values, torch.float64, dist.ReduceOp.MAX)
-
-    def all_reduce_max(self, values: list[int]) -> list[int]:
-        """Element-wise max over ranks."""
-        return self._all_reduce(values, torch.int64, dist.ReduceOp.MAX)
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over ranks (float64)."""
-        return self._all_reduce(values, torch.float64, dist.ReduceOp.SUM)
-
-    def all_reduce_sum_tensor(self, tensor: torch.Tensor) -> None:
-        """``tensor`` summed over ranks, in place (a whole gradient: no list of floats)."""
-        moved = tensor.to(self.device)
-        dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.group)
-        if moved is not tensor:
-            tensor.copy_(moved)
-
-    def _all_reduce(self, values: list, dtype: torch.dtype, op: Any) -> list:
-        tensor = torch.tensor(list(values), dtype=dtype, device=self.device)  # (n,)
-        dist.all_reduce(tensor, op=op, group=self.group)
-        return tensor.tolist()

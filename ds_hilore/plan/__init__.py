@@ -11,7 +11,8 @@ sequence or recomputed (R), within a memory budget and a gradient-error budget.
     scheduler.py     the per-microbatch pipeline (NOTE [ One microbatch ])
     buckets.py       a shape bucket, priced for its longest length
     slices.py        a microbatch's unit-sequence slices: their risk, the exposure quartiles
-    metering.py      the scheduler's memory windows: GC's profiled peak, a plan's peak checked
+    metering.py      the scheduler's memory windows: GC's profiled peak, memory that appears
+    checks.py        ... a plan's peak checked against the budget at its microbatch's length
 """
 
 from __future__ import annotations

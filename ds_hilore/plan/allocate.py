@@ -20,7 +20,7 @@ it: cap_k = headroom + room_k bounds the layers before k plus layer k's own byte
 is bounded by headroom + the room before the backward. A unit kept in the last layers then
 costs what GC's own recompute there already needed. Every room 0 (CUDA, an untracked profile):
 no caps, GC's peak plus every byte (the price before). The plan's check (NOTE [ The plan's
-peak, checked ] in metering.py) measures what the price predicts, and cuts it where it was
+peak, checked ] in checks.py) measures what the price predicts, and cuts it where it was
 wrong.
 """
 

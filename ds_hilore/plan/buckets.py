@@ -30,8 +30,9 @@ class Bucket:
     loo_utilities: dict[int, float] | None = None  # seconds per layer, measured jointly
     validated: bool = False  # leave-one-out ran to its end (here, or before a resume)
     shortest: int | None = None  # positions of the shortest profiled microbatch, over ranks
+    longest: int | None = None  # ... of the longest (NOTE [ The plan's peak, checked ])
     byte_scale: dict[str, float] | None = None  # bytes x this per unit kind, for the longest
-    # NOTE [ The plan's peak, checked ] and [ Headroom a checked plan left ] in metering.py
+    # NOTE [ The plan's peak, checked ] and [ Headroom a checked plan left ] in checks.py
     headroom_cut: int = 0  # bytes taken off the headroom after a plan peaked over the budget
     headroom_credit: int = 0  # bytes added to it: what a checked plan peaked under its price
     priced_gc_peak: int | None = None  # GC's peak the plan was priced on (its plan's peak less kept)
@@ -78,6 +79,25 @@ def priced_for_longest(bucket: Bucket, relative: bool) -> tuple[dict[str, float]
         above = max(0, gc_peak - profile.baseline_bytes)
         gc_peak = profile.baseline_bytes + math.ceil(above * r * r)
     return byte_scale, gc_peak
+
+
+# NOTE [ GC's peak at another length ]
+# A plan's check at a length T above the longest profiled one, T1, under a relative budget
+# needs GC's peak at T (NOTE [ The plan's peak, checked ] in checks.py), which was not
+# measured. What GC's peak holds above the baseline (in use before the forward) is mostly per
+# token -- the layers' inputs it keeps, the layer it recomputes, the logits and their
+# gradient -- so it is grown per token: baseline + (GC's peak - baseline) x T / T1. Above the
+# truth by what does not grow (parameters' gradients made in the backward), below it by what
+# grows faster (scores saved per query and key: eager attention). Measured on a 2-layer Llama
+# (hidden 128, eager attention, B = 2) profiled at T1 = 300, GC's peak 17.7 MiB above the
+# baseline: estimated 23.6 MiB above it at T = 400 (measured: 21.3), 30.2 at 512 (31.6). Growing
+# the recomputed layer's attention by (T / T1)^2, as a plan's bytes are priced, read 25.6 and
+# 35.6: an attention unit's bytes do not all grow that fast.
+def gc_peak_at(profile: BucketProfile, r: float) -> float:
+    """GC's peak at ``r`` times the longest profiled length, ``r`` >= 1 (NOTE [ GC's peak at
+    another length ])."""
+    above = max(0, profile.gc_peak_bytes - profile.baseline_bytes)
+    return profile.baseline_bytes + above * r
 
 
 def stretched(bucket: Bucket) -> bool:

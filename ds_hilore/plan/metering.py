@@ -3,7 +3,7 @@
 * a profiled microbatch's GC peak (``open_profile`` / ``end_profile``), the unit of a relative
   budget and the base of an absolute one's headroom;
 * the first microbatch that runs a bucket's plan, checked against the budget (``open_check`` /
-  ``end_check``, NOTE [ The plan's peak, checked ]);
+  ``end_check``, NOTE [ The plan's peak, checked ] in checks.py);
 * the step's peak for ``stats`` (``peak_now``), and memory that appears after a shape was
   profiled (``begin_step``, ``grown``, ``planned``);
 * a profile's numbers agreed over ranks (``agree``).
@@ -26,15 +26,14 @@ from typing import Iterator
 import torch
 
 from ds_hilore.plan import budget as budgets
-from ds_hilore.plan.buckets import stretched
+from ds_hilore.plan.checks import MAX_CREDITS, MAX_PARTIAL, PlanChecks, gradient_bytes
 from ds_hilore.plan.profile import BucketProfile, exclude_nonfinite
 from ds_hilore.runtime.memory import DevicePeak, PeakTracker, in_use_bytes
 
 logger = logging.getLogger("ds_hilore")
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-MAX_CREDITS = 2  # NOTE [ Headroom a checked plan left ]
-MAX_PARTIAL = 3  # NOTE [ The plan's peak, checked ]
+__all__ = ["MAX_CREDITS", "MAX_PARTIAL", "Metering", "agree"]
 
 
 # NOTE [ Tracked on CPU ]
@@ -64,7 +63,7 @@ MAX_PARTIAL = 3  # NOTE [ The plan's peak, checked ]
 # ``end_step``, after the window closed. Not seen: the peak inside one op (its private
 # temporaries), and the private buffers of a compiled (inductor) kernel.
 
-class Metering:
+class Metering(PlanChecks):
     """The memory windows of one scheduler (see the module's docstring)."""
 
     def __init__(self, scheduler):
@@ -75,6 +74,9 @@ class Metering:
         self.check = None  # (bucket, plan, meter) of the microbatch whose plan's peak is checked
         self.check_partial = False  # that microbatch kept less than its plan (units sent to R, ...)
         self.check_length = 0  # that microbatch's length, the max over ranks
+        self.check_budget = 0  # the budget at this rank's length (``budget_at``)
+        # in use at its start, less gradients (NOTE [ Growth that is not the plan's ] in checks.py)
+        self.check_base = 0
         self.partial_checks: dict[tuple, tuple] = {}  # bucket key -> (actions, partial checks)
         self.step_meter: tuple[int, DevicePeak] | None = None  # CUDA: (step, the step's window)
         # NOTE [ Memory that appears after profiling ]: in use at a step's first forward, by
@@ -156,6 +158,9 @@ class Metering:
         """A profiled microbatch's forward begins (on CPU: tracked, NOTE [ Tracked on CPU ])."""
         device = self.s._device()
         self.baseline = in_use_bytes(device)
+        bucket = self.s.bucket  # NOTE [ The plan's peak, checked ]: the longest profiled
+        if bucket is not None:
+            bucket.longest = max(bucket.longest or 0, self.s.longest)
         if device.type == "cuda":
             self.meter = DevicePeak(device)
         else:
@@ -208,187 +213,6 @@ class Metering:
             return self.step_meter[1].close()
         return in_use_bytes(device)  # CPU, untracked: sampled at the start of the backward
 
-    # ------------------------------------------------------------------ the plan's peak
-    # NOTE [ The plan's peak, checked ]
-    # A plan is priced from the profile: GC's peak plus what it keeps (at its highest phase
-    # where the profile read GC's phases, NOTE [ A plan priced phase by phase ] in allocate.py).
-    # What it really peaks at can still differ (the allocator's rounding and fragmentation, a
-    # transient the profile's units do not own, a peak of the loss between units). So the
-    # first microbatch that runs a bucket's plan (a leave-one-out's warm-up variant: the plan
-    # itself; not a microbatch
-    # predicted zero and run all R: measured there, a plan's check read GC's peak, or less, and
-    # passed every plan, 48-65 MiB under a 1.10 budget on ``hilore bench --model paper-cpu``) is
-    # measured as the profile's GC peak was, from its forward to the end of its backward: a
-    # ``DevicePeak`` window on CUDA (its lower bound when not exact: a check must not re-plan
-    # for another reader's peak), an op-level ``PeakTracker`` window on CPU (NOTE [ Tracked on
-    # CPU ]; one that cannot open on a rank, e.g. inside a compiled call, opens on none: the
-    # check ends in a collective). If it exceeds the bucket's budget, the bucket's headroom is
-    # lowered by the overshoot plus a margin (1% of the budget, at least 1 MiB) and the bucket
-    # is planned again; the overshoot is the max over ranks, so every rank re-plans the same.
-    # Each plan of a bucket is checked once, and a plan that only repeats the actions of one
-    # checked within the budget (a replan after calibration changed the risks, not the choice)
-    # is not checked again; the plans re-solved per microbatch (``_plan_for_rows``) live within
-    # the same, corrected headroom and are not checked on their own. A checked microbatch that
-    # kept less than its plan -- a plan re-solved for the sequences it keeps (those predicted
-    # zero elided), units sent to R by the risk fit after its forward, sequences whose
-    # coefficients came out zero (``partial``, any rank) -- can show an overshoot, not that the
-    # plan fits: the plan is checked again at a later microbatch, and taken as fitting after
-    # MAX_PARTIAL such checks (an op-level window costs a dispatch per op; where microbatches
-    # keep less than their plan, what such a check measured is what runs), without a credit
-    # (NOTE [ Headroom a checked plan left ]).
-    # A relative budget (m x GC's peak at the profiled length T0) allows m x GC(T) at length
-    # T (NOTE [ Priced for the bucket's longest ]): above T0 the budget's bytes do not bound the
-    # peak, so a check waits for a microbatch no longer than T0; an absolute one holds at any T.
-    def open_check(self, bucket, length: int, ran: str) -> None:
-        """``length``: the microbatch's, the max over ranks; ``ran``: what it runs of the plan
-        (``Scheduler._apply``: whole, part or nothing; nothing, all R, is the same on every
-        rank, so the check, which ends in a collective, opens on every rank or on none)."""
-        relative = bucket.budget_bound != "device" and self.s.config.memory_budget_bytes is None \
-            and self.s.config.memory_fraction is None
-        if not self.awaits_check(bucket) or ran == "nothing" or \
-                (relative and length > (bucket.shortest or bucket.key[1])):
-            return
-        device = self.s._device()
-        opened = device.type == "cuda" or self._track()
-        collective = self.s.runtime.collective
-        if collective is not None:  # a window that cannot open on one rank opens on none
-            opened = not collective.all_reduce_max_float([0.0 if opened else 1.0])[0]
-        if not opened:
-            self.close_tracker()
-            return
-        self.check_partial, self.check_length = ran != "whole", length
-        self.s.warm_up("check")
-        self.check = (bucket, bucket.plan,
-                      DevicePeak(device) if device.type == "cuda" else self.tracker)
-
-    def partial(self) -> None:
-        """The microbatch being checked keeps less than its plan: units sent to R after its
-        forward, sequences found zero (NOTE [ The plan's peak, checked ])."""
-        self.check_partial = True
-
-    def awaits_check(self, bucket) -> bool:
-        """The bucket's plan is still to be checked (NOTE [ The plan's peak, checked ])."""
-        return bucket.plan is not None and bucket.checked is not bucket.plan and \
-            bucket.budget_bytes is not None and bucket.fit_actions != bucket.plan.actions and \
-            any(a != "R" for a in bucket.plan.actions.values())
-
-    def drop_check(self) -> None:
-        """An open check whose backward never came (a forward without one): not checked."""
-        if self.check is not None:
-            meter, self.check = self.check[2], None
-            if isinstance(meter, DevicePeak):
-                meter.close()
-
-    def end_check(self, check) -> None:
-        if self.check is not check:
-            return
-        self.check = None
-        bucket, plan, meter = check
-        if isinstance(meter, PeakTracker):
-            peak = upper = meter.freeze()
-        else:  # CUDA: a lower bound when not exact, ``upper`` what it is known not to exceed
-            peak, upper = meter.close(), meter.upper
-            if not meter.exact:
-                self._under_earlier_peak(f"the check of the plan for {bucket.key[0]}x"
-                                         f"{bucket.key[1]}", meter)
-        stats = self.s.step_stats
-        stats["peak_bytes"] = max(stats["peak_bytes"] or 0, peak)
-        over = float(peak - bucket.budget_bytes)
-        partial = float(self.check_partial)
-        # NOTE [ Headroom a checked plan left ]: under GC's own peak (> 0), and the price's
-        # excess over the peak, negated (the least excess over ranks is the max of this)
-        gc_peak = bucket.priced_gc_peak if bucket.priced_gc_peak is not None else math.inf
-        under_gc = float(gc_peak - upper)
-        short = float(upper - (gc_peak + plan.peak_over_gc_bytes))
-        collective = self.s.runtime.collective
-        if collective is not None:
-            over, partial, under_gc, short = collective.all_reduce_max_float(
-                [over, partial, under_gc, short])
-        if over <= 0 and partial:  # checked again at a whole one, up to MAX_PARTIAL times
-            seen, count = self.partial_checks.get(bucket.key, (None, 0))
-            count = count + 1 if seen == plan.actions else 1
-            self.partial_checks[bucket.key] = (dict(plan.actions), count)
-            if count < MAX_PARTIAL:
-                return
-            if plan is bucket.plan and self._revoke(bucket):
-                return
-        bucket.checked = plan
-        if over <= 0:
-            bucket.fit_actions = dict(plan.actions)
-        if plan is not bucket.plan:
-            return
-        margin = max(2**20, bucket.budget_bytes // 100)
-        if over <= 0:
-            if not partial and under_gc <= 0 and self.check_length == bucket.key[1] and \
-                    bucket.loo is None:
-                self._credit(bucket, -short, margin)
-            return
-        cut = int(over) + margin
-        logger.info("ds_hilore: the plan for %dx%d peaked %.1f MiB over the memory budget "
-                    "(%.1f MiB); its headroom is lowered by %.1f MiB and it is planned again",
-                    *bucket.key, over / 2**20, bucket.budget_bytes / 2**20, cut / 2**20)
-        bucket.headroom_cut += cut
-        bucket.overshot = True
-        self.s._plan_bucket(bucket, profiled=False)
-
-    # NOTE [ Headroom a checked plan left ]
-    # Where GC's peak was not read phase by phase (CUDA, an untracked profile), a plan is priced
-    # as GC's peak plus every byte it keeps, as if all of them were alive at GC's peak. They are
-    # not always: GC peaks in the backward of the last layers, where it recomputes them, and a
-    # unit kept there (stored or packed) replaces that recompute, whose packed tensors are
-    # decoded only when its own backward asks for them. Measured on ``hilore bench --model
-    # paper-cpu`` at 1.10 (headroom 35-37 MiB), priced that way: a plan packing seven units,
-    # priced at +33.3 MiB over GC's peak, peaked at +17.8; another packing seven, in other
-    # layers, priced at +35.6, peaked at +35.7; one storing three attention units whole, priced
-    # at +31.6, peaked at +21.1 in one run and +31.7 in another. Priced phase by phase (NOTE
-    # [ A plan priced phase by phase ] in allocate.py) the price is the plan's predicted peak
-    # and the excess smaller; what is left of it is credited the same way. So where a checked
-    # plan's price exceeds its peak by more than three margins (the margin of a cut: 1 % of the
-    # budget, at least 1 MiB), the bucket's headroom gets that excess less two margins (it replaces an
-    # earlier credit, the excess of the plan checked then) and the bucket is planned again --
-    # with room for more kept units, and checked like any new plan: if that one peaks over the
-    # budget, the cut above takes it back and no credit is given again. At most two credits per
-    # bucket; the excess is the least over ranks (every rank plans the same). Only where the
-    # check measures what the price stands for: the plan peaked at or above the GC peak it was
-    # priced on, on every rank (below it, the check did not see what the profile saw: a profile
-    # resumed from another process, memory released since), the bucket's bytes priced at the
-    # profiled length (NOTE [ Priced for the bucket's longest ] in buckets.py: at a longer one
-    # the excess at the profiled length says nothing) and, on CUDA, the window's upper bound
-    # (``upper``: exact, or the earlier peak), from a microbatch of the bucket's full length (a
-    # shorter one peaks lower), not while leave-one-out times the plan. A credited plan that
-    # keeps more than the headroom without the credit passes only a whole check: after
-    # MAX_PARTIAL partial ones, the credit is taken back for good and the bucket planned again
-    # (``_revoke``). Plans re-solved per microbatch (``_plan_for_rows`` in scheduler.py) are not
-    # checked on their own, so they are solved within the headroom without the credit.
-    def _revoke(self, bucket) -> bool:
-        """A plan that keeps more than the headroom without the credit passes only a whole
-        check: after MAX_PARTIAL partial ones the credit is taken back, for good, and the bucket
-        planned again (NOTE [ Headroom a checked plan left ]). Whether it was."""
-        plan = bucket.plan
-        if bucket.headroom_credit <= 0 or \
-                plan.peak_over_gc_bytes <= plan.headroom_bytes - bucket.headroom_credit:
-            return False
-        logger.info("ds_hilore: the plan for %dx%d, made with %.1f MiB of headroom a check "
-                    "found, never ran whole to be checked; planned again without it",
-                    *bucket.key, bucket.headroom_credit / 2**20)
-        bucket.headroom_credit, bucket.credits = 0, MAX_CREDITS
-        self.s._plan_bucket(bucket, profiled=False)
-        return True
-
-    def _credit(self, bucket, excess: float, margin: int) -> None:
-        """``excess``: the checked plan's price (GC's peak plus its predicted peak above it)
-        above its peak."""
-        credit = int(excess) - 2 * margin
-        if bucket.overshot or bucket.credits >= MAX_CREDITS or stretched(bucket) or \
-                credit < bucket.headroom_credit + margin:
-            return
-        logger.info("ds_hilore: the plan for %dx%d peaked %.1f MiB under its price (GC's peak "
-                    "plus what it was priced to add); its headroom is raised by %.1f MiB and it "
-                    "is planned again", *bucket.key, excess / 2**20, (credit - bucket.headroom_credit) / 2**20)
-        bucket.headroom_credit = credit
-        bucket.credits += 1
-        self.s._plan_bucket(bucket, profiled=False)
-
     # ------------------------------------------------------------------ CPU windows
     def _track(self) -> bool:
         """Open an op-level window on this thread (NOTE [ Tracked on CPU ])."""
@@ -417,7 +241,8 @@ class Metering:
     # after, is then behind it): added to its baseline and GC's peak, and the bucket is planned
     # again, within the headroom left, or, below what GC now needs, all R with the warning
     # ``_plan_bucket`` gives. The growth is the max over ranks, so every rank plans again the
-    # same buckets. Not seen: memory created later than the first step after the planning.
+    # same buckets. Memory created later is seen by the plan's check, where it is not taken
+    # for the plan's (NOTE [ Growth that is not the plan's ] in checks.py).
     # Parameters' gradients are left out of the readings: a trainer that keeps them between
     # steps would otherwise have them in the growth after the first backward as well as in the
     # profiled peaks (the backward makes them). Other memory a profiled microbatch makes and
@@ -449,7 +274,7 @@ class Metering:
             return
         device = s._device()
         self._warm_codec(device)
-        self.step_bases[s.steps] = in_use_bytes(device) - _gradient_bytes(s.runtime.model, device)
+        self.step_bases[s.steps] = in_use_bytes(device) - gradient_bytes(s.runtime.model, device)
         needed = {s.steps, *(step for step, _ in self.awaiting.values())}
         for bucket in s.buckets.values():
             if bucket.plan is None:
@@ -501,7 +326,7 @@ class Metering:
         with what appeared since now (a forward's start, nothing of it allocated yet)."""
         device = self.s._device()
         self.awaiting[bucket.key] = (self.s.steps, in_use_bytes(device)
-                                     - _gradient_bytes(self.s.runtime.model, device))
+                                     - gradient_bytes(self.s.runtime.model, device))
 
     def charge_memory_after_profiling(self) -> None:
         s = self.s
@@ -517,22 +342,28 @@ class Metering:
             grown = s.runtime.collective.all_reduce_max_float(grown)
         for key, extra in zip(due, grown):
             bucket = s.buckets[key]
-            if extra <= 0 or bucket.profile is None:
-                continue
-            logger.info("ds_hilore: %.1f MiB in use appeared after %dx%d was profiled (e.g. the "
-                        "optimizer's state); planned again for it", extra / 2**20, *bucket.key)
-            bucket.profile.baseline_bytes += int(extra)
-            bucket.profile.gc_peak_bytes += int(extra)
-            bucket.fit_actions = None  # a plan's peak grew by it too: checked again
-            s._plan_bucket(bucket, profiled=False)
-            headroom = bucket.plan.headroom_bytes
-            if headroom < 0:  # a replan does not repeat _plan_bucket's warning: said here
-                logger.warning("ds_hilore: %.1f MiB appeared after %dx%d was profiled (e.g. the "
-                               "optimizer's state): the memory budget (%s: %.1f MiB per rank) is "
-                               "now below what gradient checkpointing itself needs (%.1f MiB); "
-                               "running as GC (all R). Fix: raise the budget.", extra / 2**20,
-                               *bucket.key, budgets.describe(s.config),
-                               bucket.budget_bytes / 2**20, (bucket.budget_bytes - headroom) / 2**20)
+            if extra > 0 and bucket.profile is not None:
+                self._plan_again_for(bucket, int(extra))
+
+    def _plan_again_for(self, bucket, extra: int) -> None:
+        """``extra`` bytes in use appeared after ``bucket`` was profiled: its baseline and GC's
+        peak raised by them, and the bucket planned again (NOTE [ Memory that appears after
+        profiling ], NOTE [ Growth that is not the plan's ] in checks.py)."""
+        s = self.s
+        logger.info("ds_hilore: %.1f MiB in use appeared after %dx%d was profiled (e.g. the "
+                    "optimizer's state); planned again for it", extra / 2**20, *bucket.key)
+        bucket.profile.baseline_bytes += extra
+        bucket.profile.gc_peak_bytes += extra
+        bucket.fit_actions = None  # a plan's peak grew by it too: checked again
+        s._plan_bucket(bucket, profiled=False)
+        headroom = bucket.plan.headroom_bytes
+        if headroom < 0:  # a replan does not repeat _plan_bucket's warning: said here
+            logger.warning("ds_hilore: %.1f MiB appeared after %dx%d was profiled (e.g. the "
+                           "optimizer's state): the memory budget (%s: %.1f MiB per rank) is "
+                           "now below what gradient checkpointing itself needs (%.1f MiB); "
+                           "running as GC (all R). Fix: raise the budget.", extra / 2**20,
+                           *bucket.key, budgets.describe(s.config),
+                           bucket.budget_bytes / 2**20, (bucket.budget_bytes - headroom) / 2**20)
 
 
 class _Background:
@@ -562,18 +393,6 @@ def _activation_dtype(model: torch.nn.Module, device: torch.device) -> torch.dty
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _gradient_bytes(model: torch.nn.Module, device: torch.device) -> int:
-    """Bytes of the storages the parameters' ``.grad`` tensors use on ``device``'s kind (each
-    storage once)."""
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        g = p.grad
-        if g is not None and g.device.type == device.type:
-            storage = g.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def agree(profile: BucketProfile, collective) -> BucketProfile:

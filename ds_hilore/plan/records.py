@@ -70,6 +70,7 @@ def state_dict(scheduler) -> dict[str, Any]:
             "profiles": [b.profile.to_dict() for b in profiled.values()],
             "excluded": {_name(k): sorted(b.excluded) for k, b in profiled.items()},
             "shortest": {_name(k): b.shortest for k, b in profiled.items() if b.shortest},
+            "longest": {_name(k): b.longest for k, b in profiled.items() if b.longest},
             # a plan that peaked over the budget stays cut after a resume
             "headroom_cut": {_name(k): b.headroom_cut for k, b in profiled.items() if b.overshot},
             # leave-one-out still to run (saved while it ran): it runs again after a resume
@@ -88,6 +89,7 @@ def load_state_dict(scheduler, state: dict[str, Any]) -> None:
         bucket = Bucket(profile.key, Profiler(profile.key, 0), profile)
         bucket.excluded = set(state.get("excluded", {}).get(name, []))
         bucket.shortest = state.get("shortest", {}).get(name)
+        bucket.longest = state.get("longest", {}).get(name)
         cut = state.get("headroom_cut", {}).get(name)
         if cut is not None:
             bucket.headroom_cut, bucket.overshot = int(cut), True

@@ -64,7 +64,7 @@ class Scheduler:
         self.predicted_zero = False  # the microbatch in progress runs all R, every rank's predicted 0
         self.bucket: Bucket | None = None  # of the forward in progress
         self.rows_here = 1  # sequences of the forward in progress on this rank (Uneven batches)
-        self.length_here = 1  # ... and its positions
+        self.length_here = 1  # ... and its positions (a profile sample's tokens, a check's budget)
         self.longest = 0  # the forward in progress's length, the max over ranks
         self.metering = Metering(self)  # the memory windows (plan/metering.py)
         self.passes = MatchedPasses(self)
@@ -89,7 +89,6 @@ class Scheduler:
         self.metering.end_windows()
         self.metering.begin_step()  # NOTE [ Memory that appears after profiling ]
         self.rows_here, length = input_shape(args, kwargs)
-        self.length_here = length  # this rank's (a profile sample's tokens)
         key, shortest = self._bucket_key(self.rows_here, length)
         bucket = self.buckets.get(key)
         if bucket is None:
@@ -555,7 +554,7 @@ class Scheduler:
         bucket's most sequences, only keeps fewer bytes. Also returned: the shortest length
         over ranks (NOTE [ Priced for the bucket's longest ] in buckets.py)."""
         collective = self.runtime.collective
-        shortest = length
+        shortest = self.length_here = int(length)
         if collective is not None:
             batch, length, negative = collective.all_reduce_max([batch, length, -length])
             shortest = -negative

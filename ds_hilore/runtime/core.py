@@ -26,8 +26,10 @@ from ds_hilore.runtime import packed, report
 from ds_hilore.runtime.bundle import LayerFrame
 from ds_hilore.runtime.calls import drop_cache, hidden_input
 from ds_hilore.runtime.codecs import codec_from_config
+from ds_hilore.runtime.collective import collective_for_attach
 from ds_hilore.runtime.elision import Elision, gradient_entry
-from ds_hilore.runtime.install import Installation, checkpointing_on
+from ds_hilore.runtime.install import (Installation, checkpointing_on, reduces_in_hooks,
+                                       refuse_unsupported_wrappers)
 from ds_hilore.runtime.microbatch import Microbatch
 from ds_hilore.runtime.plans import ACTIONS, Plans
 from ds_hilore.runtime.registry import ATTACHED as _ATTACHED  # noqa: F401 (importable here)
@@ -66,9 +68,10 @@ class HiLoReRuntime(Installation, Plans):
 
     def __init__(self, model: nn.Module, config: HiLoReConfig):
         self.model, self.config = model, config
-        self.collective = None  # set by engine.py for multi-rank runs
+        # NOTE [ One decision for every rank ] in collective.py: made at attach, several ranks
+        self.collective = None
         # NOTE [ A backward of zeros ] in zero_backward.py: off where gradient hooks reduce every
-        # gradient as it is made (ZeRO stages 1-3; engine.py)
+        # gradient as it is made (ZeRO stages 1-3: engine.py; DDP, FSDP: at attach, below)
         self.zero_backward_skip = True
         # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
         # of set_plan / force_plan holds. The runtime calls it at fixed points and never
@@ -92,6 +95,8 @@ class HiLoReRuntime(Installation, Plans):
         self._n_microbatches = 0
         self._step: list[dict] = []
         self._last_step: list[dict] | None = None
+        self._steps_closed = 0  # the number of the last step end_step closed (stats["step"])
+        self._step_first = 0  # index of the step in progress's first microbatch
         self._live_mbs: "weakref.WeakSet[Microbatch]" = weakref.WeakSet()
         self._elision = Elision(self)
         self._warned_elision = False
@@ -100,8 +105,10 @@ class HiLoReRuntime(Installation, Plans):
         self._warned_ambiguous = False  # coefficients that name no forward (_microbatch_of)
         self._saved: list = []  # what attach changed, for detach
         self._hooks: list = []  # hook handles attach registered, for detach
+        self._when_units: list = []  # actions waiting for the units to be known (when_units_known)
         if not config.enabled:
             return
+        refuse_unsupported_wrappers(model)  # NOTE [ Data parallel wrappers ] in install.py
         self._layers = find_layers(model, config)
         self._weights = WeightRecognizer(layer.module for layer in self._layers)
         self._codec = codec_from_config(config)  # None for low_precision "none"
@@ -114,6 +121,9 @@ class HiLoReRuntime(Installation, Plans):
         self._renumber()
         self.script_checkpointing = checkpointing_on(self._layers)
         _refuse_a_second_runtime(model)
+        self.collective = collective_for_attach()  # every rank attaches together
+        # NOTE [ A backward of zeros ]: off where hooks may reduce each gradient as it is made
+        self.zero_backward_skip = self.collective is None and not reduces_in_hooks(model)
         self._install()
         try:  # a failed attach leaves the model as it found it
             self._probe()
@@ -238,9 +248,16 @@ class HiLoReRuntime(Installation, Plans):
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Measurements of the last optimizer step (or of the step in progress before any)."""
-        return report.step_stats(self._last_step if self._last_step is not None else self._step,
-                                 self.policy)
+        """Measurements of the last optimizer step ``end_step`` closed: read inside a step (before
+        its ``end_step``, or ``engine.step()``), they describe the one before. Before any was
+        closed, the step in progress. ``stats["step"]`` is the number of the step described
+        (``ds_hilore.initialize``: DeepSpeed's ``global_steps`` after it; else counted from 1 by
+        ``end_step``), and ``stats["microbatches"][k]["position"]`` that microbatch's position
+        in it (0 for the first; ``"index"`` counts every microbatch of the runtime)."""
+        closed = self._last_step is not None
+        out = report.step_stats(self._last_step if closed else self._step, self.policy)
+        out["step"] = self._steps_closed if closed else self._steps_closed + 1
+        return out
 
     @contextlib.contextmanager
     def shadow(self):
@@ -259,16 +276,19 @@ class HiLoReRuntime(Installation, Plans):
         """Before an optimizer step, on every rank at the same point: raises on every rank if
         a backward on any rank sent gradient to elided sequences (NOTE [ Collective elision ]
         in elision.py)."""
-        self._elision.flush_late(collective=True)
+        self._elision.flush_late()
 
-    def end_step(self) -> None:
-        """Close the optimizer step: ``stats`` now reports it. Raises if a backward since the
-        last read sent gradient to elided sequences (NOTE [ Checked elision ] in elision.py)."""
+    def end_step(self, step: int | None = None) -> None:
+        """Close the optimizer step: ``stats`` now reports it, as step ``step`` (default: the
+        previous one's number plus one). Raises if a backward since the last read sent
+        gradient to elided sequences (NOTE [ Checked elision ] in elision.py)."""
         self._elision.flush_late()
         if self.policy is not None:
             self.policy.end_step()
             self._warn_if_never_planned()
         self._last_step, self._step = self._step, []
+        self._steps_closed = self._steps_closed + 1 if step is None else int(step)
+        self._step_first = self._n_microbatches
 
     def _warn_if_never_planned(self) -> None:
         """Said once: the policy has run many microbatches and planned none (HiLoRe is GC)."""
@@ -300,7 +320,8 @@ class HiLoReRuntime(Installation, Plans):
     def state_dict(self) -> dict[str, Any]:
         """Learned state worth keeping across a resume: plan, and the policy's profiles and
         calibration."""
-        state = {"version": 1, "plan": dict(self._plan), "microbatches_seen": self._n_microbatches}
+        state = {"version": 1, "plan": dict(self._plan), "microbatches_seen": self._n_microbatches,
+                 "steps": self._steps_closed}
         if self.policy is not None:  # profiles, calibration: a resume does not measure again
             state["policy"] = self.policy.state_dict()
         return state
@@ -313,7 +334,8 @@ class HiLoReRuntime(Installation, Plans):
             known = {u.name for u in self._units}
             self._plan.update({k: v for k, v in state.get("plan", {}).items() if k in known
                                and v in ACTIONS and (v != "L" or self._codec is not None)})
-        self._n_microbatches = int(state.get("microbatches_seen", 0))
+        self._n_microbatches = self._step_first = int(state.get("microbatches_seen", 0))
+        self._steps_closed = int(state.get("steps", self._steps_closed))
         if self.policy is not None and state.get("policy"):
             self.policy.load_state_dict(state["policy"])
 
@@ -328,6 +350,8 @@ class HiLoReRuntime(Installation, Plans):
     # arguments the model would need are not known there).
     @outside_compile  # NOTE [ Compiled layers ] (units.py)
     def _begin_forward(self, module, args, kwargs) -> None:
+        if module.training:
+            self._run_when_units_known()
         if self._plans_forward() and module.training:
             self._forward_begun = True
             self.policy.begin_forward(args, kwargs)
@@ -341,6 +365,8 @@ class HiLoReRuntime(Installation, Plans):
     def _begin_at_layer(self, layer: LayerUnits, args: tuple, function) -> None:
         """A forward that did not pass through the model's pre-hook: begin it here."""
         begun, self._forward_begun = self._forward_begun, False
+        if not begun and layer is self._layers[0]:
+            self._run_when_units_known()
         if not begun and layer is self._layers[0] and self._plans_forward():
             hidden = hidden_input(args, getattr(function, "keywords", {}))  # (B, T, H)
             self.policy.begin_forward((hidden,), {}, replayable=False)
@@ -449,6 +475,7 @@ class HiLoReRuntime(Installation, Plans):
         if self._mb is None or layer.index <= self._mb.last_layer:
             self._begin_at_layer(layer, args, function)
             self._mb = Microbatch(self._n_microbatches, self)
+            self._mb.summary["position"] = self._n_microbatches - self._step_first  # in the step
             self._live_mbs.add(self._mb)
             self._n_microbatches += 1
             self._step.append(self._mb.summary)

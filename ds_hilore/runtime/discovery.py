@@ -263,10 +263,12 @@ def record(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device, i
 
 
 def discover(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device,
-             is_weight: Callable[[torch.Tensor], bool]):
+             is_weight: Callable[[torch.Tensor], bool], collective=None):
     """Run a layer call under discovery; returns its output and the verified ``Split``.
 
     ``is_weight(t)``: whether a saved tensor is a parameter (or a view or cast of one).
+    ``collective``: the runtime's, under several ranks: one split for every rank (NOTE [ One
+    split for every rank ]); every rank calls this for the same layers in the same order.
 
     Raises:
         HiLoReError: a re-run of the layer does not reproduce its saved tensors (state kept
@@ -277,7 +279,7 @@ def discover(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device,
     autocast, cache = autocast_state(device.type), torch.is_autocast_cache_enabled()
     out, trace = record(layer, fn, args, device, is_weight)
     after = RngState(device)
-    check = _Checker(layer, fn, args, trace, rng, autocast, cache)
+    check = _Checker(layer, fn, args, trace, rng, autocast, cache, collective)
     try:
         full = check.verify(None)
         if full is None:
@@ -285,8 +287,8 @@ def discover(layer: LayerUnits, fn: Callable, args: tuple, device: torch.device,
                 f"decoder layer {layer.name!r} ({type(layer.module).__name__}) cannot be recomputed: "
                 "re-running its forward from the same inputs and RNG state does not reproduce the "
                 "tensors it saved (it keeps state across calls, e.g. a cache or a running "
-                f"statistic; {check.mismatch}). Exclude it with 'layer_pattern' in the \"hilore\" "
-                "block, or disable hilore for this model.")
+                f"statistic; {check.mismatch or 'on another rank'}). Exclude it with "
+                "'layer_pattern' in the \"hilore\" block, or disable hilore for this model.")
         split = _choose(layer, trace, check, full)
     finally:
         after.restore()  # verification never moves the training RNG
@@ -309,7 +311,11 @@ def _choose(layer: LayerUnits, trace: _Trace, check: "_Checker", full: str) -> S
                 "does not reproduce its saved tensors. Remove both keys to let ds_hilore find the "
                 "units from the layer's execution.")
         return Split(calls, 2 * k + 1, cut, _worst(full, verified))
-    for k, cut in _candidates(layer, trace)[:_MAX_VERIFIED]:
+    ranked = [k for k, _ in _candidates(layer, trace)]
+    if check.collective is not None:  # NOTE [ One split for every rank ]
+        ranked = check.collective.broadcast_object(ranked)
+    for k in ranked[:_MAX_VERIFIED]:
+        cut = _cut(trace, k) if k < len(calls) - 1 else None
         verified = check.verify(k, cut)
         if verified is not None:
             return Split(calls, 2 * k + 1, cut, _worst(full, verified))
@@ -364,16 +370,41 @@ def _candidates(layer: LayerUnits, trace: _Trace) -> list[tuple[int, frozenset]]
     return [(k, cut) for _, k, cut in sorted(ranked, key=lambda r: r[0])]
 
 
+# NOTE [ One split for every rank ]
+# A layer's split is found from this rank's call: candidates ranked by this rank's byte
+# counts (its microbatch's shape, at a first training forward), and verified against its own
+# kernels, where a close match may count on one rank and not on another. Two ranks that
+# split a layer differently recompute different children, and under ZeRO-3 or FSDP gather
+# different parameters (NOTE [ One decision for every rank ] in collective.py). So under
+# several ranks the candidates are rank 0's ranking (a broadcast), each verified on every
+# rank, and a verification holds only where it holds on every rank: "bitwise" where every
+# rank's is, "tolerance" where one rank's is, failed where one rank's failed (an all-reduce
+# of max). A full re-run that fails on one rank refuses the layer on every rank. Discovery
+# runs once per layer kind (at attach, or at the first training forward), on every rank at
+# the same layer call.
+_VERDICTS = ("bitwise", "tolerance", None)  # by rank: the max over ranks is the verdict
+
+
 class _Checker:
     """Re-runs the discovery call and compares what it saves (NOTE [ Discovery ])."""
 
-    def __init__(self, layer, fn, args, trace: _Trace, rng, autocast, cache):
+    def __init__(self, layer, fn, args, trace: _Trace, rng, autocast, cache, collective=None):
         self.layer, self.fn, self.args, self.trace = layer, fn, args, trace
         self.rng, self.autocast, self.cache = rng, autocast, cache
+        self.collective = collective  # NOTE [ One split for every rank ]
         self.mismatch = ""  # the last verification's first difference, for the error
 
-    def verify(self, k: int | None, cut: frozenset = frozenset()) -> str | None:
-        """``"bitwise"``, ``"tolerance"`` or None (not reproduced). ``k`` None: a full re-run."""
+    def verify(self, k: int | None, cut: frozenset | None = frozenset()) -> str | None:
+        """``"bitwise"``, ``"tolerance"`` or None (not reproduced), on every rank (NOTE [ One
+        split for every rank ]). ``k`` None: a full re-run; ``cut`` None: a split this rank's
+        call has no place for (it failed here)."""
+        verdict = self._verify(k, cut) if cut is not None else None
+        if self.collective is None:
+            return verdict
+        worst = self.collective.all_reduce_max([_VERDICTS.index(verdict)])[0]
+        return _VERDICTS[worst]
+
+    def _verify(self, k: int | None, cut: frozenset) -> str | None:
         boundary = -1 if k is None else 2 * k + 1
         expected = [None if i in self.trace.weights else t
                     for i, (_, segment, t) in enumerate(self.trace.saves) if segment > boundary]

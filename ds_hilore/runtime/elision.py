@@ -45,14 +45,12 @@ a microbatch that leave-one-out times runs the variant it times).
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
-from ds_hilore._errors import HiLoReError
 from ds_hilore.grpo import exposure
+from ds_hilore.runtime.late import LateFlags, late_error
 from ds_hilore.runtime.reads import read_once
 
 logger = logging.getLogger("ds_hilore")
@@ -66,7 +64,7 @@ class Elision:
         self._warned = False
         self._warned_twice = False  # NOTE [ Coefficients handed twice ]
         self.stopped_short = 0  # backwards of forwards that ended below the last layer
-        self._late: torch.Tensor | None = None  # () bool: a late leak since the last read
+        self.late = LateFlags(runtime)  # late leaks since the last read (late.py)
 
     # ------------------------------------------------------------------ coefficients known
     def apply(self, mb, coefficients: torch.Tensor, offset, source: str) -> None:
@@ -87,7 +85,7 @@ class Elision:
         mass = exposure.row_mass(abs_omega, segments)  # (B,) or (K,): 0 exactly where ω ≡ 0
         unit_exposure = _unit_exposure(frames, abs_omega, coefficients.shape[1], offset, segments)
         checks, held = mb.take_checks()
-        read = read_once([mass, held, self._take_late(), *unit_exposure.values()])  # the one read
+        read = read_once([mass, held, self.late.take(), *unit_exposure.values()])  # the one read
         mass_read, held, late = read[:3]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
         mode = self.runtime.elision_mode(frames[0].device)  # NOTE [ Stand-ins on accelerators ]
@@ -106,13 +104,14 @@ class Elision:
         # NOTE [ Collective elision ]: one all-reduce decides, for every rank, whether all
         # sequences are zero, which units saw a capture-time elision disproved or a check
         # failed, and whether an earlier backward leaked
-        all_zero, to_r, failed, leaked = _agree(
+        all_zero, to_r, failed, leaked, due = _agree(
             self.runtime, frames, all_zero, lambda frame, every_zero: _verified(
                 frame, every_zero, zero if every_zero or mode != "whole" else [], segments,
                 source),
-            mb.check_failures(checks, held), any(v != 0 for v in late))
+            mb.check_failures(checks, held), any(v != 0 for v in late), bool(zero))
+        mb.late_due = mb.late_due or due  # NOTE [ A late read, due on every rank ] (late.py)
         if leaked:
-            raise _late_error()
+            raise late_error()
         if mode == "whole" and not all_zero:
             zero = []  # another rank keeps sequences: no skip, so nothing elided
         mb.fall_back(checks, failed)
@@ -207,7 +206,7 @@ class Elision:
             leak = bool(rows) and bool(_reaches(_at(grad.detach(), frame, rows)))
             if self._decide(leak, collective=True):
                 self._fall_back([frame])
-        elif rows:  # a leak here is an error before the next step, on any rank (``_defer_late``)
+        elif rows:  # a leak here is an error before the next step, on any rank (late.py)
             mb.late_leaks.append(_reaches(_at(grad.detach(), frame, rows)))
 
     def _check_at_top(self, mb, grad: torch.Tensor) -> None:
@@ -223,8 +222,8 @@ class Elision:
             leaks = self._decide(mb.settle(leak), collective=False)  # backward ] in microbatch.py
         if leaks:
             self._fall_back(frames)
-        elif any(f.elided_rows for f in frames):
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._defer_late(mb))
+        elif mb.late_due:  # the same on every rank (NOTE [ A late read, due on every rank ])
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.late.defer(mb))
 
     def _stopped_short(self, mb) -> None:
         """A forward that stopped before the last HiLoRe layer (an early exit, a model cut for
@@ -294,60 +293,10 @@ class Elision:
                     frame.downgrade(pos, "R")
 
     # ------------------------------------------------------------------ late flags
-    def _defer_late(self, mb) -> None:
-        """The end of a backward: its per-layer flags folded into one, on the device, read with
-        the next read or before the next optimizer step (NOTE [ Two reads per microbatch ])."""
-        leaks, mb.late_leaks = mb.late_leaks, []
-        if not leaks:
-            return
-        flag = torch.stack(leaks).any()
-        self._late = flag if self._late is None else self._late | flag
-        _LATE.add(self)
-        _watch_optimizers()
-
-    def _take_late(self) -> torch.Tensor | None:
-        late, self._late = self._late, None
-        _LATE.discard(self)
-        return late
-
-    def flush_late(self, collective: bool = False) -> None:
-        """Read the late flags now (one read, if any are left); raises if one is set.
-        ``collective``: every rank calls it at the same point, and every rank raises if any
-        rank's flag is set (NOTE [ Collective elision ]): a leak is this rank's, while the
-        gradients about to be stepped on are every rank's once data parallelism reduced them."""
-        late = self._take_late()
-        leaked = late is not None and bool(late)
-        if collective and self.runtime.collective is not None:
-            leaked = self.runtime.collective.all_reduce_max([int(leaked)])[0] > 0
-        if leaked:
-            raise _late_error()
-
-
-_LATE: "weakref.WeakSet[Elision]" = weakref.WeakSet()  # those holding late flags not read yet
-_OPTIMIZER_HOOK: list = []  # the handle of the step pre-hook, once registered
-
-
-def _watch_optimizers() -> None:
-    """Every torch optimizer reads the late flags before it steps (one hook per process)."""
-    if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
-
-
-def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    for elision in list(_LATE):
-        elision.flush_late()
-
-
-def _late_error() -> HiLoReError:
-    return HiLoReError(
-        "gradient reached sequences whose loss coefficients are zero through an intermediate "
-        "layer's hidden state (a loss on it that transformers did not record); their "
-        "activations had been elided, so the gradients accumulated since the last optimizer "
-        "step are wrong and no step may use them. Compute that loss from "
-        "output_hidden_states=True, or hand ds_hilore the coefficients of the whole loss. "
-        "Without such a loss, a kernel's backward turned the stand-in values of elided "
-        "sequences into gradient (NaN or not): set \"elide_zero_rows\": false in the \"hilore\" "
-        "block.")
+    def flush_late(self) -> None:
+        """Read the late flags now, where a read is due; raises on every rank if one is set on
+        any (NOTE [ A late read, due on every rank ] in late.py)."""
+        self.late.flush()
 
 
 def _unit_exposure(frames, abs_omega: torch.Tensor, cols: int, offset, segments) -> dict:
@@ -419,26 +368,28 @@ def unverified_rows_to_r(runtime, frames, zero_of) -> None:
 # whether every sequence of every rank is zero; both candidate flag sets ride along (the
 # frames called without the microbatch's segments elide depending on that answer), and so
 # do the unit flags of the forward's failed checks (NOTE [ Collective fallback ] in
-# microbatch.py) and the late flag of earlier backwards (an error on every rank at once), all
-# read in the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at
-# the coefficients decides everything there. The flags of the accumulation's last backward
-# are read before the optimizer step, by the engine on every rank (``check_late``), one more
-# all-reduce per step; the optimizer's pre-hook and ``end_step`` then find nothing left. A
-# rank that raised alone would leave the others stepping on the reduced, wrong gradients and
-# then waiting at their next collective.
-def _agree(runtime, frames, all_zero: bool, verified, failed: list[int],
-           late: bool) -> tuple[bool, set[str], list[int], bool]:
+# microbatch.py), the late flag of earlier backwards (an error on every rank at once) and
+# whether this microbatch leaves one (NOTE [ A late read, due on every rank ] in late.py),
+# all read in the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at
+# the coefficients decides everything there. The flags of the accumulation's last backward are
+# read before the optimizer step, by the engine on every rank (``check_late``), one more
+# all-reduce in a step that left some; the optimizer's pre-hook and ``end_step`` then find
+# nothing left. A rank that raised alone would leave the others stepping on the reduced,
+# wrong gradients and then waiting at their next collective.
+def _agree(runtime, frames, all_zero: bool, verified, failed: list[int], late: bool,
+           due: bool) -> tuple[bool, set[str], list[int], bool, bool]:
     """(every rank's sequences all zero, names of the units to recompute on every rank, unit
-    flags of a failed check on any rank, a late leak on any rank)."""
+    flags of a failed check on any rank, a late leak on any rank, sequences found zero on any
+    rank: a late read due, NOTE [ A late read, due on every rank ])."""
     if_all = _unverified(runtime, frames, lambda f: verified(f, True))
     if_not = _unverified(runtime, frames, lambda f: verified(f, False))
     if runtime.collective is not None:
         n = len(if_all)
         agreed = runtime.collective.all_reduce_max([0 if all_zero else 1, *if_all, *if_not,
-                                                    *failed, int(late)])
-        all_zero, late = agreed[0] == 0, agreed[-1] > 0
-        if_all, if_not, failed = agreed[1:1 + n], agreed[1 + n:1 + 2 * n], agreed[1 + 2 * n:-1]
-    return all_zero, _flagged(runtime, if_all if all_zero else if_not), failed, late
+                                                    *failed, int(late), int(due)])
+        all_zero, late, due = agreed[0] == 0, agreed[-2] > 0, agreed[-1] > 0
+        if_all, if_not, failed = agreed[1:1 + n], agreed[1 + n:1 + 2 * n], agreed[1 + 2 * n:-2]
+    return all_zero, _flagged(runtime, if_all if all_zero else if_not), failed, late, due
 
 
 def _verified(frame, every_zero: bool, zero: list[int], segments, source: str) -> set[int]:

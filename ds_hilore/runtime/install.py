@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from ds_hilore._errors import HiLoReError
 from ds_hilore.runtime import discovery
 from ds_hilore.runtime.calls import hidden_input
 from ds_hilore.runtime.registry import ATTACHED
@@ -159,10 +160,35 @@ class Installation:
             logger.info("ds_hilore: %s; recovery units will be found at the first training "
                         "forward.", failure)
 
+    def when_units_known(self, action) -> None:
+        """``action()`` once every layer's recovery units are known: now, or at the start of the
+        first training forward after the one that finds them (models without transformers'
+        decoder layers, or whose layers refused the probe; e.g. a checkpoint's state, compared
+        with the units it was learned for). Under several ranks, it runs on every rank at that
+        point."""
+        if self.units_known():
+            action()
+        else:
+            self._when_units.append(action)
+
+    def _run_when_units_known(self) -> None:
+        """A training forward begins: the actions waiting for the units run, once they are known."""
+        if self._when_units and self.units_known() and self.enabled and torch.is_grad_enabled() \
+                and not self._probing:
+            actions, self._when_units = self._when_units, []
+            for action in actions:
+                action()
+
+    def units_known(self) -> bool:
+        """Whether every layer's recovery units are known (found by the probe at attach, or by
+        the first training forward)."""
+        return all(layer.split is not None for layer in self._layers)
+
     def _discover(self, layer: LayerUnits, function, args: tuple):
         device = hidden_input(args, getattr(function, "keywords", {})).device
         out, split = discovery.discover(layer, function, args, device,
-                                        lambda t: self._weights(t, layer.module) is not None)
+                                        lambda t: self._weights(t, layer.module) is not None,
+                                        self.collective)
         for other in self._layers:  # at the probe, every layer proves itself
             if other is layer or (not self._probing and other.split is None
                                   and other.signature == layer.signature):
@@ -177,3 +203,78 @@ def checkpointing_on(layers: list[LayerUnits]) -> bool:
     the flag."""
     flagged = [layer.module for layer in layers if is_checkpointing_layer(layer.module)]
     return not flagged or any(getattr(m, "gradient_checkpointing", False) for m in flagged)
+
+
+# NOTE [ Data parallel wrappers ]
+# A runtime attaches to the model a process trains; with several processes every rank attaches
+# to its own replica or shard at the same point, and agrees with the others on every decision
+# (NOTE [ One decision for every rank ] in collective.py). What wraps the model then decides
+# whether HiLoRe's recompute sees what the first forward saw:
+# * DistributedDataParallel: each rank runs the whole model; gradients are reduced by hooks on
+#   the parameters, which a recompute leaves alone.
+# * FSDP2 (``fully_shard`` on the decoder layers and the model): a recompute calls the layer
+#   through its module, whose pre-forward hook gathers the parameters again, as for torch's
+#   own checkpointing; parameters and their gradients are DTensors (read through their local
+#   shards).
+# * FSDP1 (``FullyShardedDataParallel`` wrapping the decoder layers; tested with
+#   ``use_orig_params=True``): a recompute runs inside the wrapped layer's backward, after
+#   FSDP gathered its parameters for it.
+# * DeepSpeed: through ``ds_hilore.initialize``, which attaches to the engine's module.
+# Refused at attach, with the way in: torch.nn.DataParallel (replicas run in threads of one
+# process, each would need its own runtime), a DeepSpeed engine handed to ``attach`` (its step
+# must close HiLoRe's: ``ds_hilore.initialize``), and DTensor parameters outside FSDP2
+# (tensor or sequence parallelism: a layer's forward holds collectives no test has replayed).
+def refuse_unsupported_wrappers(model: torch.nn.Module) -> None:
+    """Raise ``HiLoReError`` for a wrapper HiLoRe does not support (NOTE [ Data parallel
+    wrappers ]), naming the supported way in."""
+    supported = ("Supported: DistributedDataParallel, FSDP2 (fully_shard on the decoder layers "
+                 "and the model), FullyShardedDataParallel (FSDP1) wrapping the decoder layers, "
+                 "and DeepSpeed through ds_hilore.initialize.")
+    for module in model.modules():
+        if isinstance(module, torch.nn.DataParallel):
+            raise HiLoReError(
+                "ds_hilore.attach: the model is wrapped in torch.nn.DataParallel, which runs its "
+                "replicas in threads of one process; HiLoRe needs one process per replica. Fix: "
+                f"use DistributedDataParallel (one process per device, e.g. torchrun). {supported}")
+        if type(module).__module__.startswith("deepspeed.") and hasattr(module, "module") \
+                and type(module).__name__.endswith("Engine"):
+            raise HiLoReError(
+                "ds_hilore.attach was given a DeepSpeed engine; its optimizer step must close "
+                "HiLoRe's steps. Fix: call ds_hilore.initialize(...) in place of "
+                f"deepspeed.initialize(...) (same arguments). {supported}")
+    if _tensor_parallel(model):
+        raise HiLoReError(
+            "ds_hilore.attach: the model has DTensor parameters outside FSDP2's fully_shard "
+            "(tensor or sequence parallelism), which HiLoRe does not support. Fix: train with "
+            f"data parallelism only. {supported}")
+
+
+def reduces_in_hooks(model: torch.nn.Module) -> bool:
+    """Whether a wrapper in ``model`` reduces each gradient in a hook as it is made (DDP, FSDP1,
+    FSDP2): the layers' backward of a microbatch of zeros then runs (NOTE [ A backward of
+    zeros ] in zero_backward.py)."""
+    kinds: tuple = (torch.nn.parallel.DistributedDataParallel,)
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        kinds += (FSDPModule, FullyShardedDataParallel)
+    except ImportError:
+        pass
+    return any(isinstance(module, kinds) for module in model.modules())
+
+
+def _tensor_parallel(model: torch.nn.Module) -> bool:
+    """Whether a parameter is a DTensor that no FSDP2 module above it manages."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+
+    def walk(module: torch.nn.Module, sharded: bool) -> bool:
+        sharded = sharded or isinstance(module, FSDPModule)
+        if not sharded and any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            return True
+        return any(walk(child, sharded) for child in module.children())
+
+    return walk(model, False)

@@ -45,6 +45,9 @@ class Microbatch:
         self.seq_len: int | None = None  # hidden positions of the forward
         self.summary: dict[str, Any] = {}
         self.late_leaks: list[torch.Tensor] = []  # per-layer elision checks of its backward
+        # its backward leaves a late flag on every rank (NOTE [ A late read, due on every
+        # rank ] in late.py)
+        self.late_due = False
         self.skip_layers_backward = False  # NOTE [ A backward of zeros ] in zero_backward.py
         self.gated = False  # the last layer's output went through ``gate`` at the forward
         self.stopped_short = False  # its forward ended below the last HiLoRe layer (elision.py)

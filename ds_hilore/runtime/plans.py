@@ -109,6 +109,7 @@ class Plans:
                               "or 'fp8_e4m3' in the \"hilore\" block.")
         if action == "E":
             rows = self._elidable(name, frame, rows)
+            mb.late_due = True  # every rank alike (NOTE [ A late read, due on every rank ] in late.py)
         frame.downgrade(pos, action, rows)
         self._summarise(mb)
 

@@ -49,7 +49,8 @@ def step_stats(summaries: list[dict], policy) -> dict[str, Any]:
 
 def _microbatch_stats(summary: dict) -> dict[str, Any]:
     c: Counters = (summary.get("counters") or Counters()).resolve()
-    return {"index": summary.get("index"), "actions": dict(summary.get("actions", {})),
+    return {"index": summary.get("index"), "position": summary.get("position"),
+            "actions": dict(summary.get("actions", {})),
             "bytes": dict(summary.get("bytes", {})), "recomputed_units": c.recomputed_units,
             "pack_s": c.pack_s, "unpack_s": c.unpack_s, "recompute_s": c.recompute_s,
             "nonfinite_slices": c.nonfinite_slices, "_packed_stats": list(c.packed_stats),

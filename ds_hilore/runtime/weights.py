@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _MAX_CASTS = 4096  # verified casts remembered; expired ones are dropped beyond this
 
@@ -46,6 +47,10 @@ class WeightRecognizer:
 
     def __init__(self, modules):
         self.params = {id(m): list(m.parameters()) for m in modules}
+        # FSDP2: the module's parameters are sharded DTensors, swapped for plain gathered ones
+        # while it runs (NOTE [ Data parallel wrappers ] in install.py): read when called
+        self.swapped = {key for key, params in self.params.items()
+                        if any(is_traceable_wrapper_subclass(p) for p in params)}
         self._casts: dict[int, tuple[StorageWeakRef, nn.Parameter]] = {}  # storage ptr -> param
         self.leaf: nn.Module | None = None  # the leaf module running now (the runtime's hooks)
         self._ptrs: dict[int, tuple[int, dict[int, nn.Parameter]]] = {}  # NOTE [ Aliases, by address ]
@@ -56,7 +61,8 @@ class WeightRecognizer:
         base = t._base if t._base is not None else t
         if isinstance(base, nn.Parameter):  # the common case: W.t() saved by a matmul
             return WeightRef(base, None, t, base)
-        params = self.params[id(layer_module)]
+        params = self.params[id(layer_module)] if id(layer_module) not in self.swapped \
+            else list(layer_module.parameters())
         if base.grad_fn is not None:  # autocast cast of a trainable weight: ToCopy <- AccumulateGrad
             if not type(base.grad_fn).__name__.startswith("ToCopyBackward") or not base.is_contiguous():
                 return None  # an activation

@@ -29,8 +29,10 @@ __all__ = ["TopGate", "gate"]
 # ``backward(inputs=...)``) is not skipped: the gate then recomputes the frames and the
 # layers' backward runs, so what it returns (zeros, an input's gradient) is autograd's own.
 # Off under ZeRO stages 1-3, whose gradient hooks partition and reduce every gradient as it
-# is made (``zero_backward_skip``, set by the engine integration); never on profiled or
-# timed microbatches, whose backward is being measured.
+# is made (``zero_backward_skip``, set by the engine integration), and so under DDP and FSDP
+# (their hooks, too, would never see those gradients): off for ``attach`` under several ranks
+# (where the model inside a wrapper may be the one attached to) or with such a wrapper in the
+# model; never on profiled or timed microbatches, whose backward is being measured.
 class TopGate(torch.autograd.Function):
     """Identity at the last layer's output; no gradient below it when the microbatch skips."""
 

@@ -16,6 +16,8 @@ device of another size, an uneven last microbatch or another GPU model would mak
 
 from __future__ import annotations
 
+import types
+
 import torch.distributed as dist
 
 from tests.launch import case_arguments, run_cases
@@ -84,8 +86,9 @@ def resume(rank: int) -> dict:
     restored = []
     load = runtime.load_state_dict
     runtime.load_state_dict = lambda state: (restored.append(True), load(state))
-    engine._restore_runtime_state(runtime, {"setup": saved_setup,
-                                            "runtime": runtime.state_dict()}, "a checkpoint")
+    holder = types.SimpleNamespace(hilore=runtime)  # what the restore reads of an engine
+    engine._restore_runtime_state(holder, {"setup": saved_setup, "runtime": runtime.state_dict()},
+                                  "a checkpoint")
     return {"restored": bool(restored)}
 
 

@@ -18,6 +18,13 @@ ds_hilore/runtime/elision.py). Run by tests.launch.run_distributed; each ``--cas
   sequences, rank 1 none. With no check at the top, what was elided is recomputed -- on both
   ranks, or rank 0 alone would gather parameters rank 1 never gathers (a hang).
 
+* ``late_leak_two_engines``: ``late_leak``'s actor next to a critic, both HiLoRe engines
+  (ZeRO-2), as DeepSpeed-Chat trains them: each step runs the actor's backward, then the
+  critic's, then ``critic.step()``, then ``actor.step()``. The critic's optimizer step is the
+  first to read the actor's late flags (the process-wide optimizer pre-hook), so it must raise
+  on both ranks -- rank 1, which elided nothing, too -- or rank 0 would stop alone while rank
+  1 walks into the critic step's next collective.
+
 Each rank reports, per case, what ``engine.step()`` raised (or null) at each step, HiLoRe's
 ``backward_skipped`` count, and the SHA-256 of the parameters at the end.
 """
@@ -103,6 +110,36 @@ def late_leak(port: int) -> dict:
                           for m in engine.hilore.stats.get("microbatches", []))}
 
 
+def late_leak_two_engines(port: int) -> dict:
+    from ds_hilore import HiLoReError
+    from ds_hilore.runtime import bundle, storage
+
+    actor = _engine(port, 2, 4, {"force_plan": "H", "elide_zero_rows": True})
+    critic = _engine(port, 2, 4, {"force_plan": "H"})
+    rank = dist.get_rank()
+    raised, stand_ins = [], (storage.stand_in_value, bundle.stand_in_value)
+    try:
+        for step, advantages in enumerate(([1.0, -1.0, 0.5, -0.5], [1.0, 0.0, -0.5, 0.0])):
+            if step == 1 and rank == 0:
+                def nan(dtype):
+                    return float("nan") if dtype.is_floating_point else 0
+                storage.stand_in_value = bundle.stand_in_value = nan
+            ids = torch.randint(3, VOCAB, (4, T), generator=torch.Generator().manual_seed(10 * step + rank))
+            adv = torch.tensor(advantages if rank == 0 else [1.0, -1.0, 0.5, -0.5])
+            actor.backward(_loss(actor, ids, adv))
+            critic.backward(critic(input_ids=ids).logits.float().square().mean())
+            try:
+                critic.step()
+                actor.step()
+            except HiLoReError as error:
+                raised.append(str(error).splitlines()[0])
+                break
+            raised.append(None)
+    finally:
+        storage.stand_in_value, bundle.stand_in_value = stand_ins
+    return {"raised": raised, "critic_steps": critic.global_steps}
+
+
 def packed_skip(port: int) -> dict:
     engine = _engine(port, 0, 1, {"force_plan": "H", "elide_zero_rows": "whole"})
     rank = dist.get_rank()
@@ -141,7 +178,8 @@ def stopped_short(port: int) -> dict:
     return {"raised": raised, "global_steps": engine.global_steps}
 
 
-CASES = {"late_leak": late_leak, "packed_skip": packed_skip, "stopped_short": stopped_short}
+CASES = {"late_leak": late_leak, "late_leak_two_engines": late_leak_two_engines,
+         "packed_skip": packed_skip, "stopped_short": stopped_short}
 
 
 def main() -> None:
