@@ -320,7 +320,7 @@ class Scheduler:
         leave spent (``_plan_for_rows``; all R when every one is: NOTE [ A microbatch predicted
         zero ]); ``recompute_layer``: that layer R instead (a leave-one-out variant, timed on
         the bucket's own plan). Returns what the microbatch runs, for the plan's check (NOTE
-        [ The plan's peak, checked ] in metering.py): ``"whole"`` the bucket's plan itself,
+        [ The plan's peak, checked ] in checks.py): ``"whole"`` the bucket's plan itself,
         every sequence kept; ``"nothing"`` all R; ``"part"`` a plan re-solved for the sequences
         it keeps. The same on every rank but for the sequences kept."""
         plan, batch = bucket.plan, min(self.rows_here, bucket.key[0])  # NOTE [ Uneven batches ]
@@ -422,7 +422,7 @@ class Scheduler:
                 self.row_plans.clear()
             profile = kept_rows(bucket.profile, int(kept), batch)
             # unchecked: within the headroom less any credit (NOTE [ Headroom a checked plan
-            # left ] in metering.py); the bucket's own plan, checked, where it fits and is better
+            # left ] in checks.py); the bucket's own plan, checked, where it fits and is better
             plan = allocate(profile, self.risk.scaled(rho),
                             bucket.plan.headroom_bytes - bucket.headroom_credit, self._risk_budget(),
                             self.runtime._codec is not None, excluded=frozenset(bucket.excluded),
