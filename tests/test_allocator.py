@@ -916,14 +916,20 @@ def test_refresh_interval_reuses_the_last_risk_decision(monkeypatch):
     model = _model()
     runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=0,
                                            refresh_interval=3))
-    fits = []
+    fits, weighed = [], []
     original = runtime.policy._fit_risk
     monkeypatch.setattr(runtime.policy, "_fit_risk",
-                        lambda mb, bucket: fits.append(mb.index) or original(mb, bucket))
+                        lambda mb, risks: fits.append(mb.index) or original(mb, risks))
+    from ds_hilore.runtime import elision
+
+    exposure = elision._unit_exposure
+    monkeypatch.setattr(elision, "_unit_exposure", lambda frames, *a: weighed.append(
+        frames[0].ctx.index) or exposure(frames, *a))
     for step in range(PROFILED + 6):
         _grpo_microbatch(model, step)
         runtime.end_step()
     assert fits == [PROFILED, PROFILED + 3]  # planned microbatches 0 and 3 of 6 re-read exposure
+    assert weighed == fits  # and only they compute it on the device and read it
 
 
 def test_held_out_ranking_check_measures_every_packable_slice(monkeypatch):

@@ -135,7 +135,9 @@ def test_paired_warm_up_gradients_and_plans(paired_run):
     for label, row in rows.items():
         work = ranks[0]["warmup"][label]["work"]
         if METHODS[row["method"]].allocator:
-            assert work[0] == ["profiling"] and work[-2:] == [[], []] and row["warmed"]
+            # the codec's compilation waited for, if at all, in the first step (it runs from attach)
+            assert [k for k in work[0] if k != "compile"] == ["profiling"]
+            assert work[-2:] == [[], []] and row["warmed"]
             walls = [max(r["warmup"][label]["wall_s"][i] for r in ranks) for i in range(len(work))]
             assert row["warmup_steps"] == len(work)
             assert row["profile_s"] == pytest.approx(sum(walls))

@@ -139,10 +139,11 @@ def test_device_reads_do_not_grow_with_the_layer_count(monkeypatch):
 
 def test_the_coefficients_and_the_top_of_the_backward_are_one_all_reduce_each(monkeypatch):
     reads, calls = _reads_per_microbatch(2, monkeypatch, CountedCollective())
-    # the policy's at the microbatch's start (its shape, its rows' plan); at the coefficients
-    # the elision's decision (with the deferred checks and the late flags), then the policy's
-    # risk decision; at the top of the backward the leak check with anything deferred since
-    assert calls == ["_bucket_key", "_plan_for_rows", "_agree", "_fit_risk", "settle"], calls
+    # the policy's at the microbatch's start (its shape and its prediction's rows); at the
+    # coefficients the elision's decision (with the deferred checks, the late flags and the
+    # policy's risk of every unit); at the top of the backward the leak check of the elided
+    # sequences
+    assert calls == ["_bucket_key", "_agree", "settle"], calls
     assert len(reads) <= 2, reads
 
 
@@ -315,11 +316,14 @@ def test_elision_auto_elides_rows_on_cpu_and_whole_microbatches_on_accelerators(
 class LateOnOtherRank:
     """``runtime.collective`` of two ranks whose other rank's last backward leaked: the late
     flag it sends with the elision's decision (the vector ``_agree`` all-reduces ends with it
-    and whether this microbatch leaves one)."""
+    and whether this microbatch leaves one; no policy here, so no risks follow)."""
+
+    def all_reduce_max_float(self, values):
+        if sys._getframe(1).f_code.co_name == "_agree":
+            return [*values[:-2], 1.0, values[-1]]
+        return list(values)
 
     def all_reduce_max(self, values):
-        if sys._getframe(1).f_code.co_name == "_agree":
-            return [*values[:-2], 1, values[-1]]
         return list(values)
 
 

@@ -56,10 +56,12 @@ def run():
     leave-one-out (the warm-up run, then the plan, GC and a variant per layer it keeps, two),
     which ends at the ninth; then 4x64: profiled on its first microbatch, planned at its second
     (at its longest length, 64, metered here), its plan timed against GC on the next two, then
-    steady. GC is never faster here (its timing is left out: NOTE [ Never slower than GC ])."""
+    steady. Neither GC nor a layer's variant is faster here, whatever was timed (NOTE [ Never
+    slower than GC ])."""
     mp = pytest.MonkeyPatch()
     equal_utilities(mp)  # every plan keeps what fits, whatever the load
     mp.setattr(LeaveOneOut, "gc_not_slower", lambda self: False)
+    mp.setattr(LeaveOneOut, "dropped", lambda self: set())  # every layer pays
     model = planner_model()
     runtime = ds_hilore.attach(model, CONFIG)
     scheduler = runtime.policy
@@ -123,7 +125,7 @@ def test_leave_one_out_runs_once_per_run(run):
 
 def test_each_step_says_what_it_spent_on_learning(run):
     work = run["warm_up"]
-    assert work[0]["profiling"] == 1 and work[0]["compile_s"] >= 0
+    assert work[0]["profiling"] == 1 and work[0]["compile"] >= 0
     assert work[1] == work[2] == {"profiling": 1}
     assert work[3]["planning"] >= 1 and work[3]["leave-one-out"] == 1
     assert work[9] == {"profiling": 1}  # 4x64's own microbatch
@@ -155,6 +157,7 @@ def _gc_grads(model, length: int, step: int) -> dict[str, torch.Tensor]:
 def test_a_bucket_no_faster_than_gc_runs_as_gc_with_gcs_gradients(monkeypatch):
     equal_utilities(monkeypatch)
     monkeypatch.setattr(LeaveOneOut, "gc_not_slower", lambda self: True)  # whatever was timed
+    monkeypatch.setattr(LeaveOneOut, "dropped", lambda self: set())  # every layer pays
     model, reference = tiny_model("qwen2", layers=2, hidden=64, intermediate=128), \
         tiny_model("qwen2", layers=2, hidden=64, intermediate=128)
     reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -169,13 +169,16 @@ def _exposure_blind_scheduler():
         def expect(self, exposure, step_exposure=None, exposed_microbatches=None):
             super().expect(None)  # blind: no prediction reaches the plan
 
-        def _fit_risk(self, mb, bucket):
-            saved = mb.exposure
-            mb.exposure = {}  # risk share = share of sequences packed (Scheduler's fallback)
+        def risk_vector(self, mb):
+            """Every sequence weighs the same: a packed slice's risk is its share of the
+            sequences (the microbatch's mass spread evenly), never its measured exposure."""
+            saved = mb.exposure_read
+            mass, _ = mb.exposure_lists()
+            mb.exposure_read = ([sum(mass) / len(mass)] * len(mass) if mass else mass, {})
             try:
-                return super()._fit_risk(mb, bucket)
+                return super().risk_vector(mb)
             finally:
-                mb.exposure = saved
+                mb.exposure_read = saved
 
     return _ExposureBlind
 

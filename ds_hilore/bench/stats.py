@@ -26,7 +26,8 @@ from typing import Any
 
 __all__ = ["KINDS", "digest", "step_work"]
 
-KINDS = ("profiling", "planning", "calibration", "leave-one-out")
+# what HiLoRe's ``stats["warm_up"]`` names (NOTE [ Warm-up, counted ] in plan/scheduler.py)
+KINDS = ("compile", "profiling", "planning", "calibration", "leave-one-out", "check")
 
 
 def step_work(before: Mapping[str, Any] | None, after: Mapping[str, Any],

@@ -230,6 +230,9 @@ class MatchedPasses:
         def measure():
             for handle in handles:
                 handle.remove()
+            if not self._pass_fits(job):  # at the step instead, in the two-pass form
+                job.exact = None
+                return
             begin = time.perf_counter()
             self._open_meter()
             try:
@@ -241,6 +244,32 @@ class MatchedPasses:
                 job.exact = {}  # the pass is done: nothing of it is held to the step
 
         torch.autograd.Variable._execution_engine.queue_callback(measure)
+
+    def _pass_fits(self, job: _Job) -> bool:
+        """Whether the calibration's pass fits what the budget leaves at the end of the
+        backward (the min over ranks): what is in use now, plus what the pass holds -- every
+        layer's input (its units are R but those of the subset, which hold their L bytes), one
+        layer re-created at a time, and the gradient at the last layer and its copy. Where it
+        does not (a budget close to GC's peak on a model whose logits are small), the two-pass
+        form runs at the optimizer step instead, when the step's memory is given back."""
+        bucket = job.bucket
+        if bucket.budget_bytes is None or bucket.profile is None:
+            return True
+        scale = bucket.byte_scale or {}
+        _, names, _ = self._calibration_subset(bucket)
+        per_layer: dict[int, float] = {}
+        packed = 0.0
+        for cost in bucket.profile.units:
+            per_layer[cost.layer] = per_layer.get(cost.layer, 0.0) + cost.h_bytes * scale.get(cost.kind, 1.0)
+            if cost.name in names:
+                packed += cost.l_bytes * scale.get(cost.kind, 1.0)
+        layer_input = job.grad.numel() * job.grad.element_size()  # (B, T, H)
+        need = (len(per_layer) + 2) * layer_input + max(per_layer.values(), default=0.0) + packed
+        spare = float(bucket.budget_bytes - in_use_bytes(self._device()) - need)
+        collective = self.scheduler.runtime.collective
+        if collective is not None:
+            spare = -collective.all_reduce_max_float([-spare])[0]
+        return spare >= 0
 
     def _keep_exact(self, job: _Job, i: int, grad: torch.Tensor) -> None:
         with self.scheduler.metering.held():  # the pass's, not the plan's (NOTE [ Tracked on CPU ])

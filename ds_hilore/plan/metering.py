@@ -289,7 +289,7 @@ class Metering(PlanChecks):
         first training forward. A script does other work between attaching and that forward
         -- DeepSpeed's own setup, the first rollouts' generation -- so the kernels are compiled
         in a thread started at attach, for the parameters' dtype, and the first forward waits
-        only for what is left (``stats["warm_up"]["compile_s"]`` counts that wait); a forward
+        only for what is left (``stats["warm_up"]["compile"]`` counts that wait, in seconds); a forward
         under autocast in another dtype compiles its own graph then, as before. The thread is
         joined before the first step's memory is read (NOTE [ A codec's first use ]): what the
         compilation keeps is in every reading and in none of the growth."""
@@ -312,7 +312,7 @@ class Metering(PlanChecks):
             self.compiling, compiling = None, self.compiling
             compiling.join()
         codec.warmup((_activation_dtype(self.s.runtime.model, device),), device)
-        self.s.warm_up("compile_s", time.perf_counter() - begin)
+        self.s.warm_up("compile", time.perf_counter() - begin)
 
     def grown(self) -> dict[int, int]:
         """Step -> what appeared in use between its start and this step's."""

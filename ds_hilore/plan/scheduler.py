@@ -65,6 +65,8 @@ class Scheduler:
         self.bucket: Bucket | None = None  # of the forward in progress
         self.rows_here = 1  # sequences of the forward in progress on this rank (Uneven batches)
         self.length_here = 1  # ... and its positions (a profile sample's tokens, a check's budget)
+        self.row_values = [1.0, 1.0, 1.0, 1.0]  # this rank's prediction's rows (_row_values)
+        self.rows_agreed = [1.0, 1.0, 1.0, 1.0]  # ... the max over ranks
         self.longest = 0  # the forward in progress's length, the max over ranks
         self.metering = Metering(self)  # the memory windows (plan/metering.py)
         self.passes = MatchedPasses(self)
@@ -89,7 +91,7 @@ class Scheduler:
         self.metering.end_windows()
         self.metering.begin_step()  # NOTE [ Memory that appears after profiling ]
         self.rows_here, length = input_shape(args, kwargs)
-        key, shortest = self._bucket_key(self.rows_here, length)
+        key, shortest = self._bucket_key(self.rows_here, length, self._row_values())
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = Bucket(key, Profiler(key, self.config.profile_microbatches))
@@ -146,18 +148,45 @@ class Scheduler:
                                                      tokens=self.rows_here * self.length_here)
             self.metering.begin_microbatch(mb.profile)
 
-    def after_coefficients(self, mb) -> None:
+    def wants_exposure(self, mb) -> bool:
+        """Whether ``mb``'s unit exposure is to be computed and read with its coefficients: a
+        risk fit is due (``refresh_interval``), or a matched pass of it will weigh its slices.
+        Between refreshes the last decision is applied again without reading it."""
+        if self.passes.running or mb.plan_key not in self.buckets:
+            return False
+        return mb.pass_job is not None or (self.buckets[mb.plan_key].plan is not None
+                                           and self._fit_due())
+
+    def risk_vector(self, mb) -> list[float] | None:
+        """This rank's risk of every unit of the model (unit order), in the step's units, when a
+        fit is due: agreed over ranks (the max) with the elision's decision, in its one
+        all-reduce (NOTE [ Two reads per microbatch ] in runtime/reads.py); None otherwise, the
+        same on every rank."""
+        if self.passes.running or mb.plan_key not in self.buckets or \
+                self.buckets[mb.plan_key].plan is None or not self._fit_due():
+            return None
+        mass, exposure = mb.exposure_lists()
+        predicted = getattr(mb, "predicted", None) or (None, None, None)
+        reference = self.step_exposure.reference(
+            sum(mass), sum(predicted[0]) if predicted[0] else None, predicted[1], predicted[2])
+        risks = unit_risks(self.risk, mb, self.buckets[mb.plan_key], mass, exposure)
+        mb.unit_risks = risks  # name -> s eps E_{u,S}
+        return [risks.get(u.name, 0.0) / reference if reference > 0 else 0.0
+                for u in self.runtime.units]
+
+    def after_coefficients(self, mb, agreed: list[float] | None = None) -> None:
         """ω and exposure are known: spend the risk budget on this update (NOTE [ One microbatch ]).
-        The units sent to R are one decision for all ranks (``_fit_risk``); between refreshes
-        the last decision is applied again, without reading exposure: it was collective too."""
+        ``agreed``: ``risk_vector`` after the all-reduce (the max over ranks), when a fit was
+        due: the units sent to R are one decision for all ranks (``_fit_risk``); between
+        refreshes the last decision is applied again: it was collective too."""
         if self.passes.running or mb.plan_key not in self.buckets:
             return
         begin = time.perf_counter()
         self.zero_skips = mb.source == "analytic"  # an all-zero one skips its recompute then
         bucket = self.buckets[mb.plan_key]
         if bucket.plan is not None:
-            if self.fits % self.config.refresh_interval == 0 or self.last_fit is None:
-                self.last_fit = self._fit_risk(mb, bucket)
+            if agreed is not None:
+                self.last_fit = self._fit_risk(mb, agreed)
             else:
                 for name in self.last_fit[2]:
                     unit = next((u for u in self.runtime.units if u.name == name), None)
@@ -171,6 +200,9 @@ class Scheduler:
             self.step_exposure.add(mass, risk)
             self.step_stats["grad_error_est"].append(risk / mass if mass > 0 else 0.0)
         self.alloc_s += time.perf_counter() - begin
+
+    def _fit_due(self) -> bool:
+        return self.fits % self.config.refresh_interval == 0 or self.last_fit is None
 
     def top_grad(self, mb, grad: torch.Tensor) -> None:
         if self.passes.running:
@@ -329,17 +361,16 @@ class Scheduler:
             plan = dataclasses.replace(plan, actions={
                 n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
-        config = self.runtime.config
         mode = self.runtime.elision_mode(self._device())  # NOTE [ Stand-ins on accelerators ]
         # "whole": only where the backward will be skipped -- not under ZeRO 1-3, nor on a
-        # microbatch leave-one-out times (``_may_skip`` in elision.py)
-        elide = bool(expected) and not stores_all(bucket) and (mode is True or (
-            mode == "whole" and not any(expected) and self.runtime.zero_backward_skip
-            and bucket.loo is None)) and \
-            config.exposure_source != "hidden_grad"  # keeps_whole: nothing short
+        # microbatch leave-one-out times (``_may_skip`` in elision.py); nothing is short where
+        # every unit is stored whole (keeps_whole)
+        shared = not stores_all(bucket) and (mode is True or (
+            self.runtime.zero_backward_skip and bucket.loo is None))
+        elide = bool(expected) and shared and self.row_values[0] == 0  # this rank's prediction
         self.predicted_zero = False  # set by _plan_for_rows: from all-reduced values only
         if bucket.loo is None:
-            plan = self._plan_for_rows(bucket, expected if elide else None)
+            plan = self._plan_for_rows(bucket, shared)
         kept = [i for i in range(batch) if not (elide and expected[i] == 0)]
         order = sorted(kept, key=lambda i: (expected[i], i)) if expected else kept
         packed = set(order[:len(kept) // 2])  # the less exposed half of the sequences kept
@@ -365,7 +396,7 @@ class Scheduler:
             return "nothing"  # a bucket's plan all R is never checked: awaits_check)
         return "whole" if plan is bucket.plan and len(kept) == batch and not exact else "part"
 
-    def _plan_for_rows(self, bucket: Bucket, expected: list[float] | None) -> Plan:
+    def _plan_for_rows(self, bucket: Bucket, shared: bool) -> Plan:
         """NOTE [ Freed memory is spent ]
         A microbatch whose prediction elides sequences keeps only the others' bytes, and one
         predicted less exposed than the step's mean microbatch carries less risk: the bucket's
@@ -398,18 +429,9 @@ class Scheduler:
         else E stays, checked after the forward as before. A wrong prediction costs time
         only: R recomputes."""
         batch = bucket.key[0]
-        missing, kept, rho, unskipped = 1.0, float(batch), 1.0, 1.0
-        if expected is not None:
-            missing, kept = 0.0, float(sum(1 for x in expected if x != 0))
-            unskipped = 0.0 if self.zero_skips else 1.0
-            step = self.expected_step  # NOTE [ The tolerance of a step, shared by ... ] in risk.py
-            count = self.expected_exposed or self.step_exposure.previous_count
-            if step and count and sum(expected) > 0:
-                rho = 2.0 ** (math.ceil(8 * math.log2(sum(expected) / (step / count)) - 1e-9) / 8)
-        collective = self.runtime.collective
-        if collective is not None:
-            missing, kept, rho, unskipped = collective.all_reduce_max_float(
-                [missing, kept, rho, unskipped])
+        # ``row_values`` as agreed with the bucket (``_bucket_key``); ``shared``: the bucket
+        # lets a prediction elide (the same on every rank)
+        missing, kept, rho, unskipped = self.rows_agreed if shared else (1.0, float(batch), 1.0, 1.0)
         if not missing and kept == 0 and not unskipped:  # NOTE [ A microbatch predicted zero ]
             self.predicted_zero = True
             return Plan.all_r(bucket.plan.actions, bucket.plan.headroom_bytes)
@@ -504,26 +526,18 @@ class Scheduler:
             return time.perf_counter()
         return time.process_time()
 
-    def _fit_risk(self, mb, bucket: Bucket) -> tuple[float, float, list[str]]:
+    def _fit_risk(self, mb, scaled: list[float]) -> tuple[float, float, list[str]]:
         """(risk, M_m, units sent to R): this microbatch's absolute risk sum_u s eps_u E_{u,S}
         after the decision, its exposure mass, and the packed units sent to R, riskiest first,
         until sum_u s eps_u E_{u,S} / M_ref fits the risk budget (NOTE [ Risk in step units ]
-        in risk.py). One decision for all ranks: the per-unit risks are all-reduced (max) over
-        a vector of every unit, so every rank sends the same units to R."""
-        mass, exposure = self._read_exposure(mb)
-        total_mass = sum(mass)
-        predicted = getattr(mb, "predicted", None) or (None, None, None)
-        reference = self.step_exposure.reference(
-            total_mass, sum(predicted[0]) if predicted[0] else None, predicted[1], predicted[2])
-        risks = unit_risks(self.risk, mb, bucket, mass, exposure)  # name -> s eps E_{u,S}
-        names = [u.name for u in self.runtime.units]
-        scaled = [risks.get(n, 0.0) / reference if reference > 0 else 0.0 for n in names]
-        collective = self.runtime.collective
-        if collective is not None:  # one decision for all ranks (a rank-local R hangs ZeRO-3)
-            scaled = collective.all_reduce_max_float(scaled)
+        in risk.py). ``scaled``: every unit's risk / M_ref, the max over ranks
+        (``risk_vector``), so every rank sends the same units to R (a rank-local R hangs
+        ZeRO-3)."""
+        mass, _ = mb.exposure_lists()
+        risks = dict(getattr(mb, "unit_risks", None) or {})
         budget, total = self._risk_budget(), sum(scaled)
         downgraded = []
-        for k in sorted(range(len(names)), key=lambda k: (-scaled[k], k)):
+        for k in sorted(range(len(scaled)), key=lambda k: (-scaled[k], k)):
             if total <= budget or scaled[k] <= 0:
                 break
             unit = self.runtime.units[k]
@@ -534,18 +548,34 @@ class Scheduler:
             total -= scaled[k]
             risks.pop(unit.name, None)
         count_slices(self.step_stats, mb, mass)
-        return sum(risks.values()), total_mass, downgraded
-
-    def _read_exposure(self, mb) -> tuple[list[float], dict[str, list[float]]]:
-        """(M_i per sequence, E_{u,i} per unit and sequence) of ``mb``, read by the runtime with
-        the coefficients (NOTE [ Two reads per microbatch ] in runtime/reads.py)."""
-        return mb.exposure_lists()
+        return sum(risks.values()), sum(mass), downgraded
 
     def _risk_budget(self) -> float:
         return self.config.grad_error_tolerance * self.tighten
 
     # ------------------------------------------------------------------ ranks
-    def _bucket_key(self, batch: int, length: int) -> tuple[tuple[int, int], int]:
+    def _row_values(self) -> list[float]:
+        """[missing, kept, rho, unskipped] of this rank's prediction for the microbatch beginning
+        (NOTE [ Freed memory is spent ]): no prediction that could elide here (missing 1), else
+        its sequences predicted non-zero, its risk factor rho and whether a zero microbatch's
+        recompute is not known to be skipped. Agreed over ranks with the bucket: one all-reduce
+        before the forward, whatever it plans."""
+        expected, rows = self.expected, self.rows_here
+        mode = self.runtime.elision_mode(self._device())  # NOTE [ Stand-ins on accelerators ]
+        if not expected or len(expected) != rows or self.config.exposure_source == "hidden_grad" \
+                or not (mode is True or (mode == "whole" and not any(expected))):
+            self.row_values = [1.0, float(rows), 1.0, 1.0]
+            return self.row_values
+        kept, rho = float(sum(1 for x in expected if x != 0)), 1.0
+        step = self.expected_step  # NOTE [ The tolerance of a step, shared by ... ] in risk.py
+        count = self.expected_exposed or self.step_exposure.previous_count
+        if step and count and sum(expected) > 0:
+            rho = 2.0 ** (math.ceil(8 * math.log2(sum(expected) / (step / count)) - 1e-9) / 8)
+        self.row_values = [0.0, kept, rho, 0.0 if self.zero_skips else 1.0]
+        return self.row_values
+
+    def _bucket_key(self, batch: int, length: int,
+                    rows: list[float]) -> tuple[tuple[int, int], int]:
         """NOTE [ Uneven batches ]
         The bucket is the max over ranks of (sequences, length rounded up to a power of two):
         one plan for every rank. A rank's microbatch may hold fewer sequences than the bucket
@@ -555,9 +585,11 @@ class Scheduler:
         over ranks (NOTE [ Priced for the bucket's longest ] in buckets.py)."""
         collective = self.runtime.collective
         shortest = self.length_here = int(length)
-        if collective is not None:
-            batch, length, negative = collective.all_reduce_max([batch, length, -length])
-            shortest = -negative
+        self.rows_agreed = list(rows)
+        if collective is not None:  # one all-reduce: the shape, and the prediction's rows
+            agreed = collective.all_reduce_max_float([batch, length, -length, *rows])
+            batch, length, shortest = int(agreed[0]), int(agreed[1]), -int(agreed[2])
+            self.rows_agreed = agreed[3:]
         self.longest = int(length)  # over ranks: a check's decision (``_open_check``)
         return (int(batch), 1 << max(0, math.ceil(math.log2(max(1, length))))), int(shortest)
 

@@ -83,7 +83,10 @@ class Elision:
         segments = mb.segments if abs_omega.shape[0] == 1 else None
         every = len(segments) if segments is not None else abs_omega.shape[0]
         mass = exposure.row_mass(abs_omega, segments)  # (B,) or (K,): 0 exactly where ω ≡ 0
-        unit_exposure = _unit_exposure(frames, abs_omega, coefficients.shape[1], offset, segments)
+        policy = self.runtime.policy
+        # read only where the policy weighs it: a risk fit due (refresh_interval), a pass
+        unit_exposure = _unit_exposure(frames, abs_omega, coefficients.shape[1], offset, segments) \
+            if policy is None or policy.wants_exposure(mb) else {}
         checks, held = mb.take_checks()
         read = read_once([mass, held, self.late.take(), *unit_exposure.values()])  # the one read
         mass_read, held, late = read[:3]
@@ -98,17 +101,23 @@ class Elision:
             # read a later key (NOTE [ Packed sequences ] in packed.py)
             zero = trailing(zero, every) if all(f.segments_causal for f in frames) else []
         all_zero = len(zero) == every and all(f.elision_ok for f in frames)
-        policy = self.runtime.policy  # NOTE [ Exact zeros ]: copies only where memory is short
+        # NOTE [ Exact zeros ]: copies only where memory is short
         keep = 0 < len(zero) < every and policy is not None and policy.keeps_whole(mb)
         mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
+        kept = {u.name for f in frames for u, a in zip(f.layer.units, f.plan.actions)
+                if a != "R" or mb.norms_all}
+        exposed = {name: values for name, values in zip(unit_exposure, read[3:]) if name in kept}
+        mb.exposure_read = (mass_read, {name: values for name, values in exposed.items()
+                                        if len(values) == len(mass_read)})
+        risks = policy.risk_vector(mb) if policy is not None and not again else None
         # NOTE [ Collective elision ]: one all-reduce decides, for every rank, whether all
         # sequences are zero, which units saw a capture-time elision disproved or a check
-        # failed, and whether an earlier backward leaked
-        all_zero, to_r, failed, leaked, due = _agree(
+        # failed, whether an earlier backward leaked, and the risk of every unit (the policy's)
+        all_zero, to_r, failed, leaked, due, risks = _agree(
             self.runtime, frames, all_zero, lambda frame, every_zero: _verified(
                 frame, every_zero, zero if every_zero or mode != "whole" else [], segments,
                 source),
-            mb.check_failures(checks, held), any(v != 0 for v in late), bool(zero))
+            mb.check_failures(checks, held), any(v != 0 for v in late), bool(zero), risks)
         mb.late_due = mb.late_due or due  # NOTE [ A late read, due on every rank ] (late.py)
         if leaked:
             raise late_error()
@@ -117,14 +126,9 @@ class Elision:
         mb.fall_back(checks, failed)
         for frame in frames:
             self._elide(frame, to_r, all_zero, source, zero, segments, keep)
-        kept = {u.name for f in frames for u, a in zip(f.layer.units, f.plan.actions)
-                if a != "R" or mb.norms_all}
-        exposed = {name: values for name, values in zip(unit_exposure, read[3:]) if name in kept}
         mb.exposure.update({name: unit_exposure[name] for name in exposed})
-        mb.exposure_read = (mass_read, {name: values for name, values in exposed.items()
-                                        if len(values) == len(mass_read)})
-        if self.runtime.policy is not None and not again:  # the allocator spends the risk budget
-            self.runtime.policy.after_coefficients(mb)
+        if policy is not None and not again:  # the allocator spends the risk budget
+            policy.after_coefficients(mb, risks)
         self.runtime._summarise(mb)
 
     # NOTE [ Coefficients handed twice ]
@@ -219,7 +223,7 @@ class Elision:
         if mb.settled:
             leaks = self._decide(leak is not None and bool(leak), collective=True)
         else:  # read and agreed on with the checks left: NOTE [ One sync at the top of the
-            leaks = self._decide(mb.settle(leak), collective=False)  # backward ] in microbatch.py
+            leaks = self._decide(mb.settle(leak, at_top=True), collective=False)  # backward ] in microbatch.py
         if leaks:
             self._fall_back(frames)
         elif mb.late_due:  # the same on every rank (NOTE [ A late read, due on every rank ])
@@ -377,19 +381,22 @@ def unverified_rows_to_r(runtime, frames, zero_of) -> None:
 # nothing left. A rank that raised alone would leave the others stepping on the reduced,
 # wrong gradients and then waiting at their next collective.
 def _agree(runtime, frames, all_zero: bool, verified, failed: list[int], late: bool,
-           due: bool) -> tuple[bool, set[str], list[int], bool, bool]:
+           due: bool, risks: list[float] | None):
     """(every rank's sequences all zero, names of the units to recompute on every rank, unit
     flags of a failed check on any rank, a late leak on any rank, sequences found zero on any
-    rank: a late read due, NOTE [ A late read, due on every rank ])."""
+    rank: a late read due, NOTE [ A late read, due on every rank ]; the policy's ``risks``, the
+    max over ranks, or None). One all-reduce (float64: the flags are exact in it)."""
     if_all = _unverified(runtime, frames, lambda f: verified(f, True))
     if_not = _unverified(runtime, frames, lambda f: verified(f, False))
     if runtime.collective is not None:
-        n = len(if_all)
-        agreed = runtime.collective.all_reduce_max([0 if all_zero else 1, *if_all, *if_not,
-                                                    *failed, int(late), int(due)])
-        all_zero, late, due = agreed[0] == 0, agreed[-2] > 0, agreed[-1] > 0
-        if_all, if_not, failed = agreed[1:1 + n], agreed[1 + n:1 + 2 * n], agreed[1 + 2 * n:-2]
-    return all_zero, _flagged(runtime, if_all if all_zero else if_not), failed, late, due
+        n, extra = len(if_all), list(risks or [])
+        agreed = runtime.collective.all_reduce_max_float(
+            [0 if all_zero else 1, *if_all, *if_not, *failed, int(late), int(due), *extra])
+        flags, agreed = [int(x) for x in agreed[:len(agreed) - len(extra)]], agreed[len(agreed) - len(extra):]
+        all_zero, late, due = flags[0] == 0, flags[-2] > 0, flags[-1] > 0
+        if_all, if_not, failed = flags[1:1 + n], flags[1 + n:1 + 2 * n], flags[1 + 2 * n:-2]
+        risks = agreed if risks is not None else None
+    return all_zero, _flagged(runtime, if_all if all_zero else if_not), failed, late, due, risks
 
 
 def _verified(frame, every_zero: bool, zero: list[int], segments, source: str) -> set[int]:

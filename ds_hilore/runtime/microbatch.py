@@ -63,6 +63,7 @@ class Microbatch:
         # would keep, while the microbatch itself runs exact (NOTE [ The exact gradient from
         # training ] in plan/calibrate.py)
         self.norms_all = False
+        self.unit_risks: dict[str, float] = {}  # the policy's risk of its units (the risk fit)
         self.as_gc = False  # it ran as gradient checkpointing (NOTE [ Never slower than GC ])
 
     def frame(self, layer_index: int) -> LayerFrame | None:
@@ -110,11 +111,12 @@ class Microbatch:
     # hands its flag to ``settle`` instead: one read of the device and one all-reduce (the unit
     # flags with the leak flag appended, the same length on every rank) for both. Every rank
     # makes that call at the same point (whether the top check runs is the same on every rank).
-    def settle(self, leak: torch.Tensor | None = None) -> bool:
+    def settle(self, leak: torch.Tensor | None = None, at_top: bool = False) -> bool:
         """Read the microbatch's checks left at once; a unit whose check failed on any rank is
         recomputed instead (NOTE [ Collective fallback ]). ``leak``: a () bool device flag read
         and agreed on with them (NOTE [ One sync at the top of the backward ]); returns it,
-        OR-ed over ranks. Only the first call of a microbatch reads."""
+        OR-ed over ranks. Only the first call of a microbatch reads. ``at_top``: called by the
+        elision's check at the top of the backward (else at the first unpack)."""
         checks, held = self.take_checks()
         if self.settled:
             if checks:
@@ -122,6 +124,13 @@ class Microbatch:
             return False
         collective = self.runtime.collective
         if not checks and collective is None and leak is None:
+            return False
+        if not at_top and self.source is not None:
+            # the coefficients came on every rank and their read took every check (nothing is
+            # deferred after it): nothing is left to read or agree on, on any rank
+            if checks:
+                raise bug("a check was deferred after the microbatch's coefficients were read")
+            self.settled = True
             return False
         self.settled = True
         held, leaked = read_once([held, leak])  # the one read
