@@ -1,9 +1,5 @@
-"""The ``hilore`` command and the demo (``python -m ds_hilore.bench.demo``) as a smoke check.
-
-The demo test runs the real script in a subprocess (``--quick``: 2 layers, 1 timed step, eager int8 codec) and
-checks the table it prints: every exact method bitwise equal to no checkpointing, the expected
-number of recomputed units per plan, a small non-zero error for int8.
-"""
+"""The ``hilore`` command: each subcommand's output, its one-line errors, and ``--model`` read
+the same way everywhere (NOTE [ One meaning of --model ] in ds_hilore/cli/common.py)."""
 
 import json
 import math
@@ -17,7 +13,8 @@ import pytest
 import torch
 
 from ds_hilore import HiLoReConfig, cli
-from ds_hilore.bench import demo
+from ds_hilore.bench import zoo
+from ds_hilore.cli import units as cli_units
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +37,7 @@ def _bytes_column_is_measured_or_dash(rows) -> bool:
 
 
 def test_units_of_phi3_as_a_console_command():
-    proc = _python("-m", "ds_hilore.cli", "units", "--arch", "phi3")
+    proc = _python("-m", "ds_hilore.cli", "units", "--model", "phi3")
     assert proc.returncode == 0, proc.stderr
     rows = _unit_rows(proc.stdout, "model.layers.")
     assert [(name, kind, children) for name, kind, _, children in rows] == [
@@ -56,7 +53,7 @@ def test_units_of_phi3_as_a_console_command():
 
 def test_units_of_any_transformers_architecture(capsys):
     # Gemma-2 normalises each block's output: the post-norms go with the block they normalise
-    assert cli.main(["units", "--arch", "gemma2"]) == 0
+    assert cli.main(["units", "--model", "gemma2"]) == 0
     rows = _unit_rows(capsys.readouterr().out, "model.layers.1.")
     assert [(name, kind, children) for name, kind, _, children in rows] == [
         ("model.layers.1.attn", "attn", "input_layernorm, self_attn, post_attention_layernorm"),
@@ -65,25 +62,41 @@ def test_units_of_any_transformers_architecture(capsys):
     assert _bytes_column_is_measured_or_dash(rows)
 
 
-def test_units_list_archs_is_every_causal_lm(capsys):
-    from ds_hilore.bench import zoo
-
-    assert cli.main(["units", "--list-archs"]) == 0
+def test_units_list_models_is_every_causal_lm(capsys):
+    assert cli.main(["units", "--list-models"]) == 0
     names = capsys.readouterr().out.split()
     assert names == zoo.causal_lm_types()
     assert {"llama", "qwen2", "mistral", "phi3", "gpt_neox", "qwen3_moe"} <= set(names)
 
 
-def test_units_of_an_unknown_arch_says_where_the_names_are(capsys):
-    assert cli.main(["units", "--arch", "lama"]) == cli.EXIT_CONFIG_ERROR
+def test_a_name_that_is_no_model_says_what_model_accepts(capsys):
+    assert cli.main(["units", "--model", "lama"]) == cli.EXIT_CONFIG_ERROR
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1  # one line
-    assert "unknown architecture 'lama'" in captured.err and "hilore units --list-archs" in captured.err
+    assert captured.err.startswith("error: --model lama: not a preset (tiny, paper-cpu")
+    assert "hilore units --list-models" in captured.err and "pass one of these" in captured.err
+
+
+def test_model_means_a_preset_then_a_directory_then_a_model_type(tmp_path):
+    from ds_hilore.cli.common import BadFlag, model_source
+
+    assert model_source("paper-cpu").kind == "preset"
+    assert model_source("qwen2").kind == "arch"
+    (tmp_path / "config.json").write_text("{}")
+    assert model_source(str(tmp_path)).kind == "dir"
+    with pytest.raises(BadFlag, match="a directory without config.json"):
+        model_source(str(tmp_path.parent))
+
+
+def test_units_of_a_preset_cut_to_its_first_layers(capsys):
+    assert cli.main(["units", "--model", "paper-cpu", "--layers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen2ForCausalLM: 6 recovery units in 3 decoder layers" in out
 
 
 def test_units_of_an_arch_that_cannot_be_built_small(capsys):
-    assert cli.main(["units", "--arch", "cpmant"]) == cli.EXIT_CONFIG_ERROR
+    assert cli.main(["units", "--model", "cpmant"]) == cli.EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert err.startswith("error: no small cpmant model can be built: ")
     assert "does not support gradient checkpointing" in err
@@ -94,16 +107,16 @@ def test_units_table_without_per_unit_bytes_shows_a_dash():
 
     units = [SimpleNamespace(name="m.layers.0.attn", kind="attn", layer_index=0, children=("a",)),
              SimpleNamespace(name="m.layers.0.mlp", kind="mlp", layer_index=0, children=("b", "c"))]
-    table = cli._units_table(torch.nn.Identity(), units, [None, None]).splitlines()
+    table = cli_units.units_table(torch.nn.Identity(), units, [None, None]).splitlines()
     assert table[0] == "Identity: 2 recovery units in 1 decoder layers"
     assert [line.split() for line in table[2:]] == [["m.layers.0.attn", "attn", "-", "a"],
                                                     ["m.layers.0.mlp", "mlp", "-", "b,", "c"]]
-    measured = cli._units_table(torch.nn.Identity(), units, [1536.0, 2048.0]).splitlines()
+    measured = cli_units.units_table(torch.nn.Identity(), units, [1536.0, 2048.0]).splitlines()
     assert [line.split()[2] for line in measured[2:]] == ["1536", "2048"]
 
 
 def test_units_of_a_local_checkpoint(tmp_path, capsys):
-    cli.tiny_model("gpt_neox").save_pretrained(tmp_path)
+    zoo.tiny_causal_lm("gpt_neox", layers=2, seed=0).save_pretrained(tmp_path)
     assert cli.main(["units", "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^gpt_neox\.layers\.1\.mlp\s+mlp\s+(-|\d+)\s+post_attention_layernorm, "
@@ -112,7 +125,7 @@ def test_units_of_a_local_checkpoint(tmp_path, capsys):
 
 def test_units_of_a_missing_checkpoint_never_downloads(tmp_path, capsys):
     assert cli.main(["units", "--model", str(tmp_path / "nothing")]) == cli.EXIT_CONFIG_ERROR
-    assert "no config.json there" in capsys.readouterr().err
+    assert "not a local checkpoint directory" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------- profile
@@ -125,7 +138,7 @@ def test_profile_of_qwen2_as_a_console_command(tmp_path, capsys):
     report = json.loads(path.read_text())
 
     # the units `hilore units` lists for the same model, in its order
-    assert cli.main(["units", "--arch", "qwen2"]) == 0
+    assert cli.main(["units", "--model", "qwen2"]) == 0
     names = [row[0] for row in _unit_rows(capsys.readouterr().out, "model.layers.")]
     assert len(names) == 4
     assert [row["name"] for row in report["units"]] == names
@@ -174,9 +187,9 @@ def test_profile_of_qwen2_as_a_console_command(tmp_path, capsys):
     (["--model", "qwen2", "--seq-len", "1", "--micro-batch", "4"], "--seq-len 1: must be >= 2"),
     (["--model", "qwen2", "--seq-len", "64", "--micro-batch", "0"], "--micro-batch 0: must be >= 1"),
     (["--model", "lama", "--seq-len", "64", "--micro-batch", "4"],
-     "--model lama: unknown preset and no such directory"),
+     "--model lama: not a preset"),
     (["--model", "./no/such/dir", "--seq-len", "64", "--micro-batch", "4"],
-     "--model ./no/such/dir: no such directory"),
+     "--model ./no/such/dir: not a preset"),
     (["--model", "qwen2", "--seq-len", "64", "--micro-batch", "4", "--memory-budget", "0.5"],
      "--memory-budget 0.5: must be >= 1.0"),
 ])
@@ -192,7 +205,7 @@ def test_profile_of_a_directory_without_a_checkpoint(tmp_path, capsys):
     assert cli.main(["profile", "--model", str(tmp_path), "--seq-len", "8",
                      "--micro-batch", "2"]) == cli.EXIT_CONFIG_ERROR
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith(f"error: --model {tmp_path}: ") and "no config.json there" in err[-1]
+    assert err[-1].startswith(f"error: --model {tmp_path}: ") and "without config.json" in err[-1]
 
 
 # ---------------------------------------------------------------------------------- config
@@ -205,7 +218,7 @@ def _write(tmp_path, ds_config: dict) -> str:
 def test_config_check_prints_the_resolved_block(tmp_path, capsys):
     block = {"memory_budget": 1.2, "force_plan": {"*": "R", "model.layers.*.mlp": "L"}}
     path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2, "hilore": block})
-    assert cli.main(["config", "--check", path]) == 0
+    assert cli.main(["check-config", path]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith('the "hilore" block is valid; resolved (defaults filled in):')
     resolved = json.loads(out.split("\n", 1)[1])["hilore"]
@@ -220,7 +233,7 @@ def test_config_check_prints_the_resolved_block(tmp_path, capsys):
 ])
 def test_config_check_reports_the_error_and_exits_2(tmp_path, capsys, block, expected):
     path = _write(tmp_path, {"hilore": block})
-    assert cli.main(["config", "--check", path]) == 2
+    assert cli.main(["check-config", path]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"error in {path}:")
@@ -230,7 +243,7 @@ def test_config_check_reports_the_error_and_exits_2(tmp_path, capsys, block, exp
 
 def test_config_check_of_a_config_without_the_block(tmp_path, capsys):
     path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2})
-    assert cli.main(["config", "--check", path]) == 0
+    assert cli.main(["check-config", path]) == 0
     out = capsys.readouterr().out
     assert "HiLoRe is off" in out and '"enabled": false' in out
 
@@ -238,58 +251,30 @@ def test_config_check_of_a_config_without_the_block(tmp_path, capsys):
 def test_every_subcommand_has_help():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"demo", "grpo-demo", "units", "profile", "bench", "config"}
+    assert list(sub.choices) == ["env", "check-config", "units", "profile", "bench", "grpo-demo"]
     for name, action in sub.choices.items():
         assert action.description, name
         assert next(a for a in sub._choices_actions if a.dest == name).help, name
 
 
-# ---------------------------------------------------------------------------------- demo
-_ROW = re.compile(r"^(?P<name>.+?)\s+(?P<t>[\d.]+)\s+(?P<tx>[\d.]+) \| \s*(?P<m>[\d.]+)\s+(?P<mx>[\d.]+) \| "
-                  r"\s*(?P<mix>\S+)\s+(?P<h>[-\d.]+)\s+(?P<l>[-\d.]+)\s+(?P<rc>[-\d]+)\s+(?P<codec>[-\d.]+) \| "
-                  r"\s*(?P<err>\S+)\s+(?P<verdict>.+)$")
+# ---------------------------------------------------------------------------------- env
+def test_env_prints_versions_the_accelerator_and_the_codec(capsys):
+    from ds_hilore.runtime.codecs import compile_unavailable
+
+    assert cli.main(["env", "--no-compile-check"]) == 0
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()
+                if not line.startswith(("deepspeed accelerator", "cpu ", "torch threads", "codec on")))
+    assert rows["torch"] == torch.__version__ and rows["ds_hilore"]
+    cpu = capsys  # the codec's row comes from the runtime's own probe (compile_unavailable)
+    assert cli.main(["env", "--no-compile-check"]) == 0
+    codec = next(line for line in cpu.readouterr().out.splitlines() if line.startswith("codec on cpu"))
+    reason = compile_unavailable("cpu")
+    assert ("eager only: " + reason if reason else "compiler found") in codec
 
 
-def test_quick_demo_exits_0_and_prints_every_method():
-    proc = _python("-m", "ds_hilore.bench.demo", "--quick", "--threads", "1")  # steadier when busy
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {m["name"]: m for m in map(_ROW.match, proc.stdout.splitlines()) if m}
-    assert list(rows) == [m.name for m in demo.METHODS]
-    for method in demo.METHODS:
-        row = rows[method.name]
-        if method.exact:
-            assert row["verdict"] == "bitwise" and float(row["err"]) == 0.0, method.name
-        else:
-            # all-L (int8), the one lossy method: measured 2.2e-3, ~3x room
-            assert row["verdict"] == "lossy" and 0.0 < float(row["err"]) < 0.007, method.name
-    units = 2 * demo.PRESETS["quick"].layers
-    assert [rows[n]["rc"] for n in ("HiLoRe all-R", "HiLoRe all-H", "HiLoRe attn-H/mlp-R",
-                                    "HiLoRe all-L (int8)")] == [str(units), "0", str(units // 2), "0"]
-    assert [rows[n]["mix"] for n in ("HiLoRe all-R", "HiLoRe all-H", "HiLoRe attn-H/mlp-R",
-                                     "HiLoRe all-L (int8)")] == [f"{units}R", f"{units}H",
-                                                                 f"{units // 2}H{units // 2}R", f"{units}L"]
-    assert float(rows["HiLoRe all-L (int8)"]["l"]) > 0 and float(rows["HiLoRe all-H"]["l"]) == 0
-    assert rows[demo.BASELINE]["tx"] == "1.00" and rows[demo.BASELINE]["mx"] == "1.00"
-    assert "[6/6] HiLoRe all-L (int8)" in proc.stdout  # progress lines
-
-
-def _result(method, grads, step_s=1.0):
-    return demo.Result(method, [step_s], 100, grads, None)
-
-
-def test_report_fails_when_an_exact_method_is_not_bitwise(capsys):
-    exact = {"w": torch.tensor([1.0, 2.0])}
-    off = {"w": torch.tensor([1.0, 2.0 + 1e-6])}
-    results = [_result(demo.METHODS[0], exact), _result(demo.METHODS[1], exact),
-               _result(demo.METHODS[2], off), _result(demo.METHODS[-1], off)]
-    demo.compare(results)
-    expected = float((off["w"].double() - exact["w"].double()).norm() / math.sqrt(5))
-    assert results[2].grad_error == pytest.approx(expected, rel=1e-12) and expected > 0
-    assert results[1].bitwise and results[1].grad_error == 0.0
-    assert demo.report(results) == 1
-    out = capsys.readouterr().out
-    assert "NOT BITWISE" in out
-    assert "FAILED: exact methods whose gradient differs from no checkpointing: ['HiLoRe all-R']" in out
-    results[2].grads = exact
-    demo.compare(results)
-    assert demo.report(results) == 0  # a lossy method with an error does not fail the demo
+def test_a_bad_flag_of_any_command_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["units", "--model", "qwen2", "--layer", "2", "--bogus"])
+    assert exit_.value.code == cli.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--bogus" in err

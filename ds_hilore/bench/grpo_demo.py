@@ -1,4 +1,4 @@
-"""``python -m ds_hilore.grpo --demo``: how concentrated is one GRPO update?
+"""`hilore grpo-demo`: how concentrated is one GRPO update?
 
 Builds a synthetic GRPO batch (binary rewards per group of completions, variable lengths, one
 update off-policy so some ratios leave the clip range) and prints, for every loss type, ratio

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from ds_hilore.bench.demo import _hf_checkpointing_switches
 
 __all__ = ["METHODS", "Method", "after_initialize", "hilore_block", "prepare", "skip_reason",
            "step_context"]
@@ -142,6 +141,15 @@ def prepare(method: Method, lm: torch.nn.Module) -> None:
                           checkpoint_in_cpu=False, synchronize=False, profile=False)
         lm.enable_input_require_grads()  # reentrant-style: a layer input must require grad
         lm._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=dsc.checkpoint)
+
+
+def _hf_checkpointing_switches(lm: torch.nn.Module):
+    """transformers' checkpointing on/off; ``activation_*`` names from 5.x, older names before."""
+    if hasattr(lm, "activation_checkpointing_enable"):
+        return (lambda kw: lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kw),
+                lm.activation_checkpointing_disable)
+    return (lambda kw: lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw),
+            lm.gradient_checkpointing_disable)
 
 
 def after_initialize(method: Method, engine) -> None:

@@ -15,26 +15,37 @@ import sys
 import time
 
 from ds_hilore.bench.options import add_run_arguments
-from ds_hilore.cli import EXIT_CONFIG_ERROR, _load
+from ds_hilore.cli.common import EXIT_CONFIG_ERROR, BadFlag, load_checkpoint, model_source, say
 
-__all__ = ["PROFILE_HIDDEN", "PROFILE_LAYERS", "add_arguments", "run"]
+__all__ = ["HELP", "PROFILE_HIDDEN", "PROFILE_LAYERS", "add_arguments", "run"]
+
+HELP = "measure what each recovery unit costs and what HiLoRe plans for one shape"
+DESCRIPTION = ("Build the model --model names (a preset or a transformers model type, small and "
+               "with random weights; or a local checkpoint, never downloaded), attach HiLoRe, "
+               "run synthetic GRPO microbatches of one shape -- the profiled ones all-R, then the "
+               "calibrated ones -- and print per unit: bytes kept by H, L and a fast-forward, "
+               "recompute / pack / unpack time, the utility of H and L against R, the codec's "
+               "relative error, the calibrated susceptibility s of its group and the planned "
+               "action; then the plan's mix, kept bytes and estimated error.")
 
 PROFILE_LAYERS, PROFILE_HIDDEN = 4, 256  # size of a preset model of ``hilore profile``
 MIB = 2**20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="PRESET_OR_DIR", required=True,
-                         help="a model_type (`hilore units --list-archs`) for a small random "
-                              "model, or a local checkpoint directory (from_pretrained)")
+    parser.add_argument("--model", metavar="NAME_OR_DIR", required=True,
+                         help="a preset (as hilore bench takes, e.g. paper-cpu), a local "
+                              "checkpoint directory, or a transformers model type such as qwen2 "
+                              "(`hilore units --list-models`)")
     parser.add_argument("--seq-len", metavar="N", type=int, required=True,
                          help="tokens per sequence (>= 2)")
     parser.add_argument("--micro-batch", metavar="B", type=int, required=True,
                          help="sequences per microbatch (>= 1; in GRPO groups of 2)")
     parser.add_argument("--layers", metavar="L", type=int, default=PROFILE_LAYERS,
-                         help=f"decoder layers of a preset model (default {PROFILE_LAYERS})")
+                         help=f"decoder layers of a preset or model type (default {PROFILE_LAYERS})")
     parser.add_argument("--hidden", metavar="H", type=int, default=PROFILE_HIDDEN,
-                         help=f"hidden width of a preset model (default {PROFILE_HIDDEN})")
+                         help=f"hidden width of a model type (default {PROFILE_HIDDEN}; a preset "
+                              "has its own)")
     parser.add_argument("--lora-r", metavar="R", type=int, default=None,
                          help="train LoRA adapters of rank R on every linear layer (peft) "
                               "instead of the full model")
@@ -57,10 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------- profile
-class _BadFlag(Exception):
-    """A flag value ``hilore profile`` cannot run with; the message names the flag and the fix."""
-
-
 def run(args: argparse.Namespace) -> int:
     """``hilore profile``: measure, plan, print (and ``--json``); the exit status."""
     import torch
@@ -71,20 +78,20 @@ def run(args: argparse.Namespace) -> int:
     begin = time.perf_counter()
     try:
         _check_profile_flags(args)
-        source = _profile_source(args.model)
+        source = model_source(args.model)
         device = _profile_device(args.device)
         config = _profile_config(args)
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        _progress(f"building {args.model} ({'preset' if source[0] == 'preset' else 'checkpoint'})")
+        _progress(f"building {args.model} ({source.description})")
         model = _profile_model(args, source).to(device)
         runtime = attach(model, config)
-    except _BadFlag as error:
+    except BadFlag as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except zoo.ZooSkip as skip:
         print(f"error: --model {args.model}: no small {args.model} model can be built: "
-              f"{skip.reason}. Pass another preset (`hilore units --list-archs`) or a local "
+              f"{skip.reason}. Pass another model type (`hilore units --list-models`), a preset or a local "
               "checkpoint directory.", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except OSError as error:
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             raise HiLoReError("HiLoRe found no decoder layers to plan for in this model; "
                               "set layer_pattern in the \"hilore\" block of --config.")
         report = _profile_run(model, runtime, args, device)
-    except _BadFlag as error:
+    except BadFlag as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except HiLoReError as error:
@@ -118,11 +125,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _progress(message: str) -> None:
-    print(f"hilore profile: {message}", file=sys.stderr, flush=True)
+    say("profile", message)
 
 
 def _check_profile_flags(args: argparse.Namespace) -> None:
-    """Raises ``_BadFlag`` (one line: the flag, its value and the fix) for a value out of range."""
+    """Raises ``BadFlag`` (one line: the flag, its value and the fix) for a value out of range."""
     import os
 
     checks = [
@@ -145,38 +152,19 @@ def _check_profile_flags(args: argparse.Namespace) -> None:
     ]
     for flag, value, ok, fix in checks:
         if not ok:
-            raise _BadFlag(f"{flag} {value}: {fix}.")
+            raise BadFlag(f"{flag} {value}: {fix}.")
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
-            raise _BadFlag(f"--json {args.json}: no directory {folder!r} to write it in; "
+            raise BadFlag(f"--json {args.json}: no directory {folder!r} to write it in; "
                            "pass a path in an existing directory.")
-
-
-def _profile_source(value: str) -> tuple[str, str]:
-    """("preset", model_type) or ("dir", path) of ``--model``."""
-    import os
-
-    from ds_hilore.bench import zoo
-
-    if os.sep not in value and value in zoo.causal_lm_types():
-        return "preset", value
-    if os.path.isdir(value):
-        return "dir", value
-    if os.sep in value or value.startswith((".", "~")) or os.path.exists(value):
-        raise _BadFlag(f"--model {value}: no such directory; pass a local checkpoint directory "
-                       "(written by save_pretrained; hilore never downloads) or a preset "
-                       "(`hilore units --list-archs`).")
-    raise _BadFlag(f"--model {value}: unknown preset and no such directory; pass a transformers "
-                   "model_type (`hilore units --list-archs` prints them) or a local checkpoint "
-                   "directory.")
 
 
 def _profile_device(name: str):
     import torch
 
     if name == "cuda" and not torch.cuda.is_available():
-        raise _BadFlag("--device cuda: no CUDA device is available here; pass --device cpu.")
+        raise BadFlag("--device cuda: no CUDA device is available here; pass --device cpu.")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
@@ -196,14 +184,16 @@ def _profile_config(args: argparse.Namespace):
     return HiLoReConfig(**values)
 
 
-def _profile_model(args: argparse.Namespace, source: tuple[str, str]):
+def _profile_model(args: argparse.Namespace, source):
     from ds_hilore.bench import zoo
+    from ds_hilore.bench.models import build_model
 
-    kind, value = source
-    if kind == "preset":
-        model = zoo.tiny_causal_lm(value, layers=args.layers, hidden=args.hidden, seed=args.seed)
+    if source.kind == "preset":
+        model = build_model(source.value, "fp32", "cpu", args.seed, layers=args.layers, lora_r=None)
+    elif source.kind == "dir":
+        model = load_checkpoint(source.value)
     else:
-        model = _load(value)
+        model = zoo.tiny_causal_lm(source.value, layers=args.layers, hidden=args.hidden, seed=args.seed)
     if args.lora_r is not None:
         model = _with_lora(model, args.lora_r, args.seed)
     return model
@@ -217,14 +207,14 @@ def _with_lora(model, r: int, seed: int):
     try:
         import peft
     except ImportError:
-        raise _BadFlag(f"--lora-r {r}: needs the peft package (pip install peft); "
+        raise BadFlag(f"--lora-r {r}: needs the peft package (pip install peft); "
                        "or leave --lora-r out to train the full model.") from None
     # as `hilore bench` (peft's default dropout): the profile shows what the bench plans with
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear")
     try:
         lora = peft.get_peft_model(model, config)
     except ValueError as error:
-        raise _BadFlag(f"--lora-r {r}: peft cannot wrap this model: "
+        raise BadFlag(f"--lora-r {r}: peft cannot wrap this model: "
                        f"{str(error).splitlines()[0]}; leave --lora-r out.") from None
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -290,7 +280,7 @@ def _profile_run(model, runtime, args: argparse.Namespace, device) -> dict:
         except (IndexError, RuntimeError) as error:
             limit = _max_positions(model)
             if step == 0 and limit is not None and args.seq_len > limit:
-                raise _BadFlag(f"--seq-len {args.seq_len}: the model's forward fails beyond its "
+                raise BadFlag(f"--seq-len {args.seq_len}: the model's forward fails beyond its "
                                f"{limit} positions ({type(error).__name__}: "
                                f"{str(error).splitlines()[0]}); pass --seq-len {limit} or less.") from None
             raise
