@@ -43,5 +43,4 @@ def attach(model: nn.Module, config: HiLoReConfig | Mapping | str | None = None)
     runtime = attach_runtime(model, config)
     if runtime.attached and not isinstance(runtime.config.force_plan, str):
         runtime.policy = Scheduler(runtime)
-        runtime.policy.metering.start_codec_warm_up()  # NOTE [ Compiled while the script goes on ]
     return runtime

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import threading
 import time
 from typing import Iterator
 
@@ -85,7 +84,6 @@ class Metering(PlanChecks):
         # bucket key -> (step it was planned in, bytes in use less gradients when it was)
         self.awaiting: dict[tuple[int, int], tuple[int, int]] = {}
         self.codec_warm = False  # NOTE [ A codec's first use ]
-        self.compiling: _Background | None = None  # NOTE [ Compiled while the script goes on ]
         self.said_under_earlier_peak = False  # CUDA: a window under an earlier peak, said once
 
     # ------------------------------------------------------------------ pipeline
@@ -266,7 +264,10 @@ class Metering(PlanChecks):
     # 1.05). So the kernels are compiled at the runtime's first forward, before the first step's
     # reading, for the activations' dtype (autocast's, else the first floating parameter's; a
     # pack in another dtype compiles its own graph when it comes): from then on the memory is
-    # in every reading and in none of the growth.
+    # in every reading and in none of the growth. The time it takes (a few seconds with
+    # inductor's on-disk cache, once per process) is the step's ``warm_up["compile"]``. It stays
+    # in the training thread: compiled in a thread of its own while the script went on, dynamo
+    # failed now and then on fake tensors, and a process that ended with the thread alive aborted.
     def begin_step(self) -> None:
         """The first forward of a step (NOTE [ Memory that appears after profiling ])."""
         s = self.s
@@ -282,25 +283,6 @@ class Metering(PlanChecks):
         self.step_bases = {k: v for k, v in self.step_bases.items() if k in needed}
         self.charge_memory_after_profiling()
 
-    def start_codec_warm_up(self) -> None:
-        """NOTE [ Compiled while the script goes on ]
-        Compiling the codec's kernels (dynamo's tracing, inductor's code, the C++ or Triton
-        build; a few seconds with inductor's on-disk cache, tens without) used to stall the
-        first training forward. A script does other work between attaching and that forward
-        -- DeepSpeed's own setup, the first rollouts' generation -- so the kernels are compiled
-        in a thread started at attach, for the parameters' dtype, and the first forward waits
-        only for what is left (``stats["warm_up"]["compile"]`` counts that wait, in seconds); a forward
-        under autocast in another dtype compiles its own graph then, as before. The thread is
-        joined before the first step's memory is read (NOTE [ A codec's first use ]): what the
-        compilation keeps is in every reading and in none of the growth."""
-        codec = self.s.runtime._codec
-        if codec is None or codec.backend != "compile" or not self.s.runtime._layers:
-            return
-        device = self.s._device()
-        dtype = next((p.dtype for p in self.s.runtime.model.parameters() if p.is_floating_point()),
-                     torch.float32)
-        self.compiling = _Background(codec.warmup, (dtype,), device)
-
     def _warm_codec(self, device: torch.device) -> None:
         """NOTE [ A codec's first use ]"""
         codec = self.s.runtime._codec
@@ -308,9 +290,6 @@ class Metering(PlanChecks):
             return
         self.codec_warm = True
         begin = time.perf_counter()
-        if self.compiling is not None:
-            self.compiling, compiling = None, self.compiling
-            compiling.join()
         codec.warmup((_activation_dtype(self.s.runtime.model, device),), device)
         self.s.warm_up("compile", time.perf_counter() - begin)
 
@@ -364,27 +343,6 @@ class Metering(PlanChecks):
                            "running as GC (all R). Fix: raise the budget.", extra / 2**20,
                            *bucket.key, budgets.describe(s.config),
                            bucket.budget_bytes / 2**20, (bucket.budget_bytes - headroom) / 2**20)
-
-
-class _Background:
-    """``function(*args)`` in a daemon thread; ``join`` waits for it and raises what it raised."""
-
-    def __init__(self, function, *args):
-        self.error: BaseException | None = None
-
-        def run():
-            try:
-                function(*args)
-            except BaseException as exc:  # noqa: BLE001 -- raised again in the joining thread
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, name="ds_hilore-codec-compile", daemon=True)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
 
 
 def _activation_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:

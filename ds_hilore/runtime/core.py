@@ -386,7 +386,10 @@ class HiLoReRuntime(Installation, Plans):
         mb = self._microbatch_for(layer, args, function)
         if self.gc_forward:
             return self._run_as_gc(layer, mb, function, args)
-        frame = LayerFrame(layer, function, args, self._capture_plan(layer), mb)
+        plan = self._capture_plan(layer)
+        if self._checkpointed(layer, plan, mb):
+            return self._run_checkpointed(layer, mb, function, args)
+        frame = LayerFrame(layer, function, args, plan, mb)
         if mb.packed is not False:  # one-row inputs only: position_ids are (1, T) for any batch
             mb.packed = frame.batch == 1 and self._packed_sequences(mb, frame, function)
         mb.frames[layer.index] = weakref.ref(frame)
@@ -408,6 +411,42 @@ class HiLoReRuntime(Installation, Plans):
             mb.batch, mb.seq_len = frame.batch, frame.seq_len
             self._summarise(mb)
         return out
+
+    # NOTE [ A layer that keeps nothing ]
+    # A layer whose every unit is R keeps nothing but its input, as gradient checkpointing
+    # does: its frame (a pack hook on every saved tensor, slot and weight bookkeeping, the
+    # recompute's replay) would only cost host time. It runs under ``torch.utils.checkpoint``
+    # (non-reentrant, RNG preserved, stopping early as HiLoRe's own re-run does: the same
+    # gradients, bitwise), with the elision's hook on its output as any layer (a forward that
+    # stops below the last layer is still seen). Not the last HiLoRe layer, whose frame carries
+    # the microbatch's checks at the top of the backward (the coefficients, the leak check, a
+    # skipped backward of zeros, which then never reaches the checkpointed layers); not on a
+    # profiled microbatch (every unit measured), one whose units' token norms are wanted, nor
+    # one predicted zero (NOTE [ A microbatch predicted zero ] in plan/scheduler.py: its frames
+    # skip their recompute where no gate skips the backward). The same on every rank: the plan
+    # and the prediction's verdict are. A microbatch found zero only after its forward, under
+    # ZeRO 1-3 (no gate), recomputes such a layer where a frame would have read stand-ins.
+    def _checkpointed(self, layer: LayerUnits, plan, mb: Microbatch) -> bool:
+        return layer.index != self._last_active and mb.profile is None and not mb.norms_all \
+            and all(a == "R" for a in plan.actions) \
+            and not getattr(self.policy, "predicted_zero", False)
+
+    def _run_checkpointed(self, layer: LayerUnits, mb: Microbatch, function, args: tuple):
+        mb.checkpointed.add(layer.index)
+        mb.last_layer = layer.index
+        out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+        hidden = out if isinstance(out, torch.Tensor) else next(
+            (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(functools.partial(self._checkpointed_grad, mb, len(layer.units)))
+        return out
+
+    def _checkpointed_grad(self, mb: Microbatch, units: int, grad: torch.Tensor | None) -> None:
+        """The gradient reached a checkpointed layer's output: its backward, recompute
+        included, runs next (a skipped backward of zeros never gets here)."""
+        if grad is not None:  # None: a skipped backward of zeros passes by, recomputing nothing
+            mb.counters.recomputed_units += units
+        self._elision.on_layer_grad(mb, _NO_FRAME, False, grad)
 
     def _run_as_gc(self, layer: LayerUnits, mb: Microbatch, function, args: tuple):
         """The layer as gradient checkpointing runs it (``torch.utils.checkpoint``,
@@ -487,6 +526,10 @@ class HiLoReRuntime(Installation, Plans):
 
     def _summarise(self, mb: Microbatch) -> None:
         report.summarise(self._layers, mb)
+
+
+def _NO_FRAME():  # noqa: N802 -- a dead weak reference: a checkpointed layer has no frame
+    return None
 
 
 def _replaced(out, old: torch.Tensor, new: torch.Tensor):

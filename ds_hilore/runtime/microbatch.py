@@ -65,6 +65,7 @@ class Microbatch:
         self.norms_all = False
         self.unit_risks: dict[str, float] = {}  # the policy's risk of its units (the risk fit)
         self.as_gc = False  # it ran as gradient checkpointing (NOTE [ Never slower than GC ])
+        self.checkpointed: set[int] = set()  # layers run without a frame (NOTE [ A layer that keeps nothing ])
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)

@@ -17,6 +17,11 @@ def summarise(layers, mb) -> None:
     actions, nbytes = {a: 0 for a in "HLRE"}, {a: 0 for a in "HLRE"}
     for layer in layers:
         frame = mb.frame(layer.index)
+        if frame is None and layer.index in mb.checkpointed:  # NOTE [ A layer that keeps nothing ]
+            for unit in layer.units:
+                unit.action, unit.nbytes = "R", 0
+            actions["R"] += len(layer.units)
+            continue
         if frame is None:
             continue
         for pos, unit in enumerate(layer.units):
