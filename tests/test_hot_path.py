@@ -362,3 +362,38 @@ def test_loss_on_recorded_hidden_states_is_checked_at_every_layer_and_exact():
     got = grads()
     assert [n for n in ref if not torch.equal(ref[n], got[n])] == []
     assert runtime.stats["recomputed_units"] == 2  # layer 0 fell back to R; 1 and 2 kept theirs
+
+
+def test_per_saved_tensor_work_is_looked_up_on_a_steady_microbatch(monkeypatch):
+    """NOTE [ The meta run, once per shape ] (derived.py) and NOTE [ Aliases, by address ]
+    (weights.py): on a steady microbatch no derived tensor's op runs on meta tensors, and a
+    parameter's storage is read once per layer (the address map), not once per saved tensor."""
+    from ds_hilore.runtime import derived
+
+    model = with_lora(tiny_model("llama", layers=3, hidden=64, intermediate=128))
+    runtime = ds_hilore.attach(model, {"force_plan": "H", "low_precision": "none"})
+    inputs = batch(batch_size=4, seq=16)
+    ids = inputs["input_ids"]
+
+    def microbatch():
+        logits = model(**inputs).logits.float()  # (B, T, V)
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0, 0.5, -0.5]), mask,
+                    model=model).loss.backward()
+        runtime.end_step()
+
+    microbatch()  # the first: shapes met once
+    meta_runs, storage_reads = [], []
+    result = derived._meta_result
+    monkeypatch.setattr(derived, "_meta_result", lambda key, op: meta_runs.append(key)
+                        if key not in derived._META else None or result(key, op))
+    params = {id(p) for layer in runtime._layers for p in layer.module.parameters()}
+    storage = torch.nn.Parameter.untyped_storage
+    monkeypatch.setattr(torch.nn.Parameter, "untyped_storage", lambda self: storage_reads.append(
+        id(self)) or storage(self))
+    microbatch()
+    monkeypatch.undo()
+    assert meta_runs == []
+    reads_of_layer_params = [p for p in storage_reads if p in params]
+    assert 0 < len(reads_of_layer_params) <= len(params)  # one address map per layer
