@@ -54,6 +54,7 @@ class WeightRecognizer:
         self._casts: dict[int, tuple[StorageWeakRef, nn.Parameter]] = {}  # storage ptr -> param
         self.leaf: nn.Module | None = None  # the leaf module running now (the runtime's hooks)
         self._ptrs: dict[int, tuple[int, dict[int, nn.Parameter]]] = {}  # NOTE [ Aliases, by address ]
+        self._frozen: dict[int, set] = {}  # id(params) -> (shape, dtype) of its frozen parameters
 
     def __call__(self, t: torch.Tensor, layer_module: nn.Module,
                  epoch: int | None = None) -> WeightRef | None:
@@ -113,8 +114,17 @@ class WeightRecognizer:
         and empties the slot, which the recompute refills (``Slot.disown_weight``).
         Without a single candidate, every same-shape one is compared in full at once. A proven
         cast is then recognised by its storage while it lives; nothing is remembered of a
-        failed comparison.
+        failed comparison. A tensor of no frozen parameter's shape, or of the dtype of every
+        frozen parameter of that shape, is no cast of one: said without touching any storage
+        (an fp32 model's activations without autograd history, the common case).
         """
+        kinds = self._frozen.get(id(params))
+        if kinds is None:  # (shape, dtype) of the frozen parameters: fixed for the run
+            kinds = self._frozen[id(params)] = {  # ZeRO-3: the whole parameter's shape
+                (tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for p in params
+                if not p.requires_grad}
+        if not any(shape == tuple(base.shape) and dtype != base.dtype for shape, dtype in kinds):
+            return None
         ptr = base.untyped_storage().data_ptr()
         hit = self._casts.get(ptr)
         if hit is not None:
