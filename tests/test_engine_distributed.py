@@ -1,4 +1,4 @@
-"""ds_hilore.initialize on 2 CPU ranks (issue 4, "What must be shown"): 7 launches.
+"""ds_hilore.initialize on 2 CPU ranks: 7 launches.
 
 Each launch runs tests/workers/ds_engine_worker.py with several cases in one process; a case
 trains 3 optimizer steps (GAS 2, micro-batch 2, different data per rank, attention dropout and

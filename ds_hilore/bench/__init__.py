@@ -1,5 +1,5 @@
 """Measuring HiLoRe against other ways of recovering activations: small models of any
-transformers architecture (``zoo``), the one-step demo and the GRPO concentration demo;
+transformers architecture (``zoo``), the GRPO concentration demo (``grpo_demo``);
 ``hilore bench`` (``bench``: the pipeline), read in its order: the flags (``options``), the
 ranks it launches (``launch``, ``link``, ``rank``) with their model (``models``), GRPO data
 (``data``), engines (``engines``; the method registry: ``methods``) and schedules (``rounds``,

@@ -9,13 +9,13 @@ from ds_hilore.cli.common import EXIT_CONFIG_ERROR, BadFlag, load_checkpoint, mo
 
 __all__ = ["HELP", "add_arguments", "run"]
 
+PROBE_TOKENS = 32  # sequence length of the forward that measures each unit's bytes per token
 HELP = "list the recovery units HiLoRe finds in a model"
-DESCRIPTION = ("Build the model --model names (a preset or a transformers model type, small and "
+DESCRIPTION = (f"Build the model --model names (a preset or a transformers model type, small and "
                "with random weights, cut to --layers decoder layers; or a local checkpoint, never "
                "downloaded), attach HiLoRe and print each recovery unit: its name, its kind, the "
-               "bytes it keeps per token under H (measured by one forward of {tokens} tokens) and "
+               f"bytes it keeps per token under H (measured by one forward of {PROBE_TOKENS} tokens) and "
                "the layer's children it runs.")
-PROBE_TOKENS = 32  # sequence length of the forward that measures each unit's bytes per token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

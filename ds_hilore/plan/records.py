@@ -1,5 +1,5 @@
 """What the scheduler (``ds_hilore.plan.scheduler.Scheduler``) reports and what a checkpoint
-keeps of it: ``stats`` (the runtime's ``stats["allocator"]`` and the bench's rows), and the state
+keeps of it: ``stats`` (merged into the runtime's ``stats``; the bench's rows), and the state
 a resume restores (profiles, risk model, calibration; plans are made again from them)."""
 
 from __future__ import annotations

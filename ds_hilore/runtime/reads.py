@@ -23,8 +23,9 @@ there would be a third read. They stay on the device, folded into one flag, and 
 the runtime's next read at the coefficients -- or before any torch optimizer steps (a step
 pre-hook) or at ``end_step``, whichever comes first -- so their error still comes before a
 step can use the wrong gradients.
-Not counted here: the policy's own all-reduces (the shape bucket before the forward, the risk
-decision after the coefficients: plan/scheduler.py), the loss's own reads (grpo/policy.py), and
+Not counted here: the policy's own all-reduce before the forward (the shape bucket and the
+prediction's rows: plan/scheduler.py; its risk decision rides on the elision's all-reduce at
+the coefficients), the loss's own reads (grpo/policy.py), and
 rarer paths: packed rows (a read at the first layer, packed.py), coefficients that never come
 (the checks are read at the first unpack), hidden states recorded by transformers (a read per
 layer, elision.py), calibration microbatches (plan/calibrate.py).
