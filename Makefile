@@ -15,9 +15,10 @@ PYTEST_ARGS ?=
 # pytest-xdist workers, a whole test module each (NOTE [ Two test workers ] in tests/conftest.py);
 # 0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
-# tests/test_openrlhf.py checks the README's OpenRLHF command against this release's argument
-# parser; it reads OpenRLHF's sources only, so the package goes in without its dependencies
-# (Ray, vLLM, flash-attn), which leaves every other package of the environment as it was.
+# tests/test_openrlhf.py checks examples/README.md's OpenRLHF command against this release's
+# argument parser; it reads OpenRLHF's sources only, so the package goes in without its
+# dependencies (Ray, vLLM, flash-attn), which leaves every other package of the environment as
+# it was.
 # Its wheels are CPython 3.10-3.12, x86-64, with no sdist: elsewhere the install is skipped
 # with a note, and the test skips.
 # It goes into a folder of its own, off sys.path: its wheel also carries a top-level `tests`

@@ -1,11 +1,11 @@
-"""The README's OpenRLHF section, against the OpenRLHF release it names.
+"""The OpenRLHF section of examples/README.md, against the OpenRLHF release it names.
 
 Runs only where OpenRLHF's files are present (``make`` puts them, ``--no-deps``, in
 ``.venv/sources/openrlhf``, off sys.path; its Ray trainer needs Ray and vLLM, which are not). What it imports: nothing of OpenRLHF's. The
 argument parser of ``openrlhf.cli.train_ppo_ray`` is built inline under
 ``if __name__ == "__main__":`` next to imports of Ray and vLLM, so the test reads that file's
 source (found in the package's folder, which is never imported), runs its standard-library imports and the statements that build the
-parser, and parses the README's command line and flags with it. The class names the README
+parser, and parses the section's command line and flags with it. The class names the section
 gives for per-engine settings are checked in the sources the same way.
 """
 
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "examples" / "README.md"
+SECTION = "\n## OpenRLHF\n"  # from this heading to the next one of its level
 # flags of other tools the section names: `ray job submit`'s (before its `--`) and pip's
 OTHER_TOOLS_FLAGS = {"--address", "--runtime-env-json", "--no-deps"}
 
@@ -44,7 +45,8 @@ def _distribution():
         spec = None
     if spec is None:
         pytest.skip("openrlhf is not installed (make installs it with pip install --no-deps "
-                    "--target .venv/sources/openrlhf openrlhf==<the README's version>)")
+                    "--target .venv/sources/openrlhf openrlhf==<the version examples/README.md "
+                    "names>)")
     return importlib.metadata.distribution("openrlhf"), Path(spec.submodule_search_locations[0])
 
 
@@ -62,8 +64,9 @@ def _source(module: str) -> str:
 
 def _section() -> str:
     text = README.read_text(encoding="utf-8")
-    start = text.index("### OpenRLHF")
-    return text[start:text.index("\n### ", start + 1)]
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
 
 
 def _ppo_parser() -> argparse.ArgumentParser:
@@ -87,7 +90,8 @@ def _ppo_parser() -> argparse.ArgumentParser:
 def test_the_readme_names_the_openrlhf_version_installed():
     version = _openrlhf_version()
     assert f"OpenRLHF {version}" in _section(), (
-        f"the README's OpenRLHF section was not checked against the installed OpenRLHF {version}")
+        f"the OpenRLHF section of examples/README.md was not checked against the installed "
+        f"OpenRLHF {version}")
 
 
 def test_the_readme_command_parses_with_openrlhf_s_parser():
