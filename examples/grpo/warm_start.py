@@ -12,6 +12,7 @@ this procedure's version) gives another digest, hence a fresh build.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -56,11 +57,27 @@ def prepare_actor(preset_or_path: str, seed: int, task: Task, root: str | os.Pat
     built = False
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (path / "cache_key.json").is_file():
-        warm_start(preset_or_path, seed, task, path, device)
+        with _every_core(device):
+            warm_start(preset_or_path, seed, task, path, device)
         built = True
     if dist.is_initialized():
         dist.barrier()
     return path, built
+
+
+@contextlib.contextmanager
+def _every_core(device: torch.device | str):
+    """NOTE [ The warm start on every core ]
+    On a CPU each rank runs on its share of the cores (OMP_NUM_THREADS), but while rank 0
+    builds the warm start the other ranks only wait at a barrier (a blocking read, no spinning):
+    rank 0 takes every core of the machine for it, and gives them back before training."""
+    threads = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(max(threads, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def warm_start(preset: str, seed: int, task: Task, path: Path, device: torch.device | str = "cpu") -> None:
