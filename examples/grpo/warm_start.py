@@ -49,7 +49,7 @@ def prepare_actor(preset_or_path: str, seed: int, task: Task, root: str | os.Pat
     """The directory to load the actor from, and whether this call built it.
 
     A local directory is returned as it is. For a preset, rank 0 builds the warm start unless
-    the cache holds it; the other ranks wait at a barrier (when torch.distributed is up).
+    the cache holds it; the other ranks wait for it (NOTE [ Waiting for the warm start ]).
     """
     if preset_or_path not in PRESETS:
         return Path(preset_or_path), False
@@ -60,9 +60,21 @@ def prepare_actor(preset_or_path: str, seed: int, task: Task, root: str | os.Pat
         with _every_core(device):
             warm_start(preset_or_path, seed, task, path, device)
         built = True
+    elif rank != 0:
+        _wait_for(path / "cache_key.json")
     if dist.is_initialized():
         dist.barrier()
     return path, built
+
+
+def _wait_for(stamp: Path, poll_s: float = 0.5) -> None:
+    """NOTE [ Waiting for the warm start ]
+    A barrier of the gloo process group gives up after its timeout (10 minutes), and on a busy
+    machine a warm start can take longer. The other ranks wait for the checkpoint's last file
+    instead (they load it from the same folder, so they see it), then meet rank 0 at a barrier.
+    If rank 0 fails, the launcher ends them."""
+    while not stamp.is_file():
+        time.sleep(poll_s)
 
 
 @contextlib.contextmanager
