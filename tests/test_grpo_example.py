@@ -19,10 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from examples.grpo import model as model_module
 from examples.grpo.arguments import UsageError, parse_args
 from examples.grpo.task import (
+    CountTask,
     JsonlTask,
     ReverseTask,
     char_match,
@@ -64,11 +66,27 @@ def test_reverse_task_is_seeded_and_answers_are_reversals():
     assert task.held_out(20) == task.held_out(20)
 
 
-def test_held_out_prompts_never_appear_in_training():
-    task = ReverseTask()
+@pytest.mark.parametrize("task", [ReverseTask(), CountTask()])
+def test_held_out_prompts_never_appear_in_training(task):
     train = {e.prompt for e in task.sample(random.Random(0), 5000, "train")}
     held_out = {e.prompt for e in task.held_out(500)}
     assert len(held_out) > 400 and not train & held_out
+
+
+def test_count_task_writes_out_three_digit_arithmetic_sequences_of_long_answers():
+    task = CountTask()
+    a = task.sample(random.Random(3), 200)
+    assert a == task.sample(random.Random(3), 200)
+    longest_prompt, longest_answer = task.longest
+    for e in a:
+        first, rest = e.prompt[:-1].split("+")
+        step, last = map(int, rest.split(":"))
+        terms = [int(t) for t in e.answer.split(" ")]
+        assert terms[0] == int(first) and terms[-1] == last and all(b - a == step for a, b in zip(terms, terms[1:]))
+        assert all(100 <= t <= 999 for t in terms) and task.min_terms <= len(terms) <= task.max_terms
+        assert len(e.prompt) <= longest_prompt and 151 <= len(e.answer) <= longest_answer == 199
+        assert set(e.prompt + e.answer) <= set(task.characters)
+    assert char_match(a[0].answer[:-1] + "x", a[0].answer) == 1 - 1 / len(a[0].answer)  # one digit wrong
 
 
 def test_jsonl_task_splits_by_prompt_and_names_its_reward(tmp_path):
@@ -103,6 +121,9 @@ def test_bad_data_ends_with_a_message_that_says_what_to_fix(tmp_path, content, r
     (["--per_device_training_batch_size", "48"], "not a multiple of"),
     (["--drop_zero_rows", "--beta", "0.1"], "--drop_zero_rows needs --beta 0"),
     (["--only_optimize_lora"], "needs LoRA"),
+    (["--task", "count"], "--max_answer_seq_len 10: --task count's answers run to 199 tokens"),
+    (["--task", "count", "--max_answer_seq_len", "200", "--max_prompt_seq_len", "8"], "raise it to 10"),
+    (["--task", "count", "--data_path", "README.md"], "pass one of them"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message):
     with pytest.raises(UsageError, match=message):
@@ -136,15 +157,17 @@ def test_warm_start_cache_is_keyed_by_preset_seed_and_task(quick_preset):
     base = cache_key(quick_preset, 0, task)
     others = [cache_key("qwen2-tiny", 0, task), cache_key(quick_preset, 1, task),
               cache_key(quick_preset, 0, ReverseTask(max_len=9)),
-              cache_key(quick_preset, 0, ReverseTask(alphabet="xyz"))]
+              cache_key(quick_preset, 0, ReverseTask(alphabet="xyz")), cache_key(quick_preset, 0, CountTask())]
     dirs = {cache_dir("c", k) for k in [base, *others]}
-    assert len(dirs) == 5  # every change gives its own directory
+    assert len(dirs) == 6  # every change gives its own directory
 
 
 def test_warm_start_is_built_once_and_rebuilt_when_its_key_changes(tmp_path, quick_preset):
     task = ReverseTask()
+    threads = torch.get_num_threads()
     path, built = prepare_actor(quick_preset, 0, task, tmp_path)
     assert built and (path / "cache_key.json").is_file() and (path / "config.json").is_file()
+    assert torch.get_num_threads() == threads  # NOTE [ The warm start on every core ]: given back
     stamp = (path / "config.json").stat().st_mtime_ns
     again, built_again = prepare_actor(quick_preset, 0, task, tmp_path)
     assert again == path and not built_again and (path / "config.json").stat().st_mtime_ns == stamp
@@ -179,14 +202,14 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_runs")
     shared = [*RUN_ARGS, "--warm_start_dir", str(root / "warm_start")]
     gc_dir, hilore_dir, resumed_dir = root / "gc", root / "hilore", root / "resumed"
-    gc = run_distributed("examples/grpo/train.py", [*shared, "--deepspeed_config", GC_CONFIG,
+    gc = run_distributed("examples/grpo/train.py", [*shared, "--deepspeed_config", GC_CONFIG, "--count_flops",
                                                     "--actor_gradient_checkpointing", "--output_dir", gc_dir],
                          timeout=600)
     config = json.loads(HILORE_CONFIG.read_text())
     config["hilore"]["force_plan"] = "H"  # exact: bitwise the GC run
     hilore_config = root / "hilore.json"
     hilore_config.write_text(json.dumps(config))
-    hilore_args = [*shared, "--deepspeed_config", hilore_config, "--grad_error_interval", "1"]
+    hilore_args = [*shared, "--deepspeed_config", hilore_config, "--grad_error_interval", "1", "--count_flops"]
     hilore = run_distributed("examples/grpo/train.py", [*hilore_args, "--save_interval", "2",
                                                         "--output_dir", hilore_dir], timeout=600)
     shutil.copytree(hilore_dir, resumed_dir)  # as if the run had been interrupted after step 2
@@ -207,7 +230,11 @@ def test_a_short_run_logs_rewards_stats_jsonl_and_a_plot(runs):
             assert math.isfinite(r["loss"]) and 0.0 <= r["train_reward"] <= 1.0
             assert r["update_tokens"] > 0
         assert records[1]["peak_bytes"] is not None and len(records[1]["peak_bytes"]) == 2
+        assert [r["metered"] for r in records[1:]] == [True, False, False]  # step 1 only
         summary = json.loads((output_dir / "summary.json").read_text())
+        flops = summary["flops"]  # --count_flops: one step of 2 micro-batches of 4, both ranks
+        assert flops["microbatches"] == 4 and flops["sequences_per_microbatch"] == 4 == summary["sequences_per_microbatch"]
+        assert flops["update_flops"] >= flops["no_checkpointing_flops"] > 0
         assert Path(summary["png"]).is_file() and summary["held_out_after"] == records[3]["held_out_reward"]
         assert ranks[0]["trainable_sha256"] == ranks[1]["trainable_sha256"]  # ZeRO-2 keeps ranks in step
     hilore = _records(runs["hilore"][0]) + _records(runs["resumed"][0])[3:]
@@ -218,7 +245,13 @@ def test_a_short_run_logs_rewards_stats_jsonl_and_a_plot(runs):
         assert a["H"] + a["E"] == units * micro_batches and a["L"] == a["R"] == 0
         assert r["bytes"]["H"] > 0 and r["recomputed_units"] == 0 and r["recompute_s"] == 0.0
         assert r["grad_error_measured"] == 0.0  # all-H is exact
-    assert all("actions" not in r for r in _records(runs["gc"][0]))
+        assert isinstance(r["warm_up"], dict)  # every rank's warm-up work, kind by kind
+    assert all("actions" not in r and "warm_up" not in r for r in _records(runs["gc"][0]))
+    gc_flops = json.loads((runs["gc"][0] / "summary.json").read_text())["flops"]
+    assert 0.15 < gc_flops["recompute_share"] < 0.5 and gc_flops["recomputed_flops"] > 0
+    hilore_flops = json.loads((runs["hilore"][0] / "summary.json").read_text())["flops"]
+    assert hilore_flops["recomputed_flops"] == 0  # all H: nothing recomputed
+    assert json.loads((runs["hilore"][0] / "summary.json").read_text())["memory_budget"] == 1.10
 
 
 @pytest.mark.distributed

@@ -15,7 +15,7 @@ from typing import Sequence
 from ds_hilore.grpo.losses import LOSS_TYPES
 
 from .model import PRESETS
-from .task import REWARDS
+from .task import REWARDS, TASKS
 
 __all__ = ["UsageError", "parse_args"]
 
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help='JSONL of {"prompt", "answer"} rows; default: the built-in reversal task')
     data.add_argument("--reward", default=None, choices=list(REWARDS),
                       help="reward function (default: char_match for the built-in task, exact_match for a file)")
+    data.add_argument("--task", default=None, choices=list(TASKS),
+                      help="built-in task (default: reverse): reverse a string of 4-7 letters, or count -- "
+                           "write out an arithmetic sequence of 38-50 terms (answers of 151-199 tokens)")
     data.add_argument("--max_prompt_seq_len", type=int, default=16, help="prompt tokens (longer prompts: error)")
     data.add_argument("--max_answer_seq_len", type=int, default=10, help="completion tokens generated at most")
 
@@ -86,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grad_error_interval", type=int, default=0,
                      help="measure the update's relative gradient error against no checkpointing every "
                           "N steps (0: off; ZeRO 0-2)")
+    run.add_argument("--count_flops", action="store_true",
+                     help="after the last step, count one update's FLOPs with the run's checkpointing and "
+                          "without (FlopCounterMode): the share it recomputes, in the summary")
     run.add_argument("--save_interval", type=int, default=0, help="DeepSpeed checkpoint every N steps (0: off)")
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUTPUT_DIR")
     run.add_argument("--result_dir", default=None, help="also write each rank's summary here (tests)")
@@ -123,6 +129,7 @@ def check(args: argparse.Namespace) -> None:
         _at_least(args, 1, key)
     for key in ("actor_lora_dim", "save_interval", "memory_interval", "grad_error_interval"):
         _at_least(args, 0, key)
+    _check_lengths(args)
     if args.actor_zero_stage not in (0, 1, 2, 3):
         raise UsageError(f"--actor_zero_stage {args.actor_zero_stage}: use 0, 1, 2 or 3.")
     if args.only_optimize_lora and args.actor_lora_dim == 0:
@@ -141,6 +148,22 @@ def check(args: argparse.Namespace) -> None:
                          "still has a gradient.")
     if not args.temperature > 0:
         raise UsageError(f"--temperature {args.temperature}: must be > 0.")
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    """The built-in task's prompts and answers must fit the lengths (one token a character)."""
+    if args.data_path is not None:
+        if args.task is not None:
+            raise UsageError(f"--task {args.task} names a built-in task, --data_path replaces it: pass one of them.")
+        return
+    name = args.task or "reverse"
+    prompt, answer = TASKS[name]().longest
+    if prompt > args.max_prompt_seq_len:
+        raise UsageError(f"--max_prompt_seq_len {args.max_prompt_seq_len}: --task {name}'s prompts run to "
+                         f"{prompt} tokens; raise it to {prompt}.")
+    if answer + 1 > args.max_answer_seq_len:  # + <eos>
+        raise UsageError(f"--max_answer_seq_len {args.max_answer_seq_len}: --task {name}'s answers run to {answer} "
+                         f"tokens and an end of sequence; raise it to {answer + 1} (a cut answer scores 0).")
 
 
 def _check_ds_config(path: str) -> None:

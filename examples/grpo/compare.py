@@ -19,11 +19,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ARMS", "Arm", "DEMO_ARGS", "launch"]
+__all__ = ["ARMS", "Arm", "DEMO_ARGS", "PAIRED_ARGS", "launch"]
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
-MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +37,30 @@ ARMS = (
     Arm("HiLoRe", HERE / "ds_config_hilore.json"),
 )
 
-# The demo's run: a 4-layer Qwen2-shaped preset, LoRA, ZeRO-2, 2 ranks; sized so that both
-# arms together finish in minutes on a 2-core CPU and the held-out reward visibly rises.
-DEMO_ARGS = ("--actor_model_name_or_path", "qwen2-small", "--actor_zero_stage", "2",
-             "--actor_lora_dim", "16", "--only_optimize_lora", "--actor_learning_rate", "1e-3",
-             "--per_device_generation_batch_size", "8", "--group_size", "8",
-             "--per_device_training_batch_size", "16", "--gradient_accumulation_steps", "4",
-             "--num_train_steps", "40", "--eval_interval", "10", "--num_eval_prompts", "128")
+# NOTE [ The demo's regime ]
+# make demo trains where activations matter, and finishes both runs in minutes on a 2-core CPU:
+# the count task's answers run to 151-199 tokens, so a microbatch of 8 sequences holds about
+# 1,500 tokens, and gradient checkpointing recomputes about 30 % of the update's FLOPs (with
+# LoRA the backward computes no weight gradients of the base model, so the forward it repeats
+# is a large share; the demo counts it, examples/grpo/flops.py). 2 prompts x 8 completions
+# per rank and step, 2 microbatches of 8 per optimizer step, 40 steps: generating the long
+# answers takes about as long as the update, and both count against the time. The model is
+# qwen2-small's shape (4 layers, hidden 128), warm-started on the task.
+DEMO_ARGS = ("--actor_model_name_or_path", "qwen2-count", "--task", "count", "--max_prompt_seq_len", "10",
+             "--max_answer_seq_len", "200", "--actor_zero_stage", "2", "--actor_lora_dim", "16",
+             "--only_optimize_lora", "--actor_learning_rate", "1e-3",
+             "--per_device_generation_batch_size", "2", "--group_size", "8",
+             "--per_device_training_batch_size", "8", "--gradient_accumulation_steps", "2",
+             "--num_train_steps", "40", "--eval_interval", "10", "--num_eval_prompts", "64",
+             "--memory_interval", "20", "--count_flops")
+
+# examples.grpo.paired: the small reversal run (short answers, 16 sequences per microbatch),
+# where 3 seeds x 2 arms finish in minutes; it measures what HiLoRe does to learning.
+PAIRED_ARGS = ("--actor_model_name_or_path", "qwen2-small", "--actor_zero_stage", "2",
+               "--actor_lora_dim", "16", "--only_optimize_lora", "--actor_learning_rate", "1e-3",
+               "--per_device_generation_batch_size", "8", "--group_size", "8",
+               "--per_device_training_batch_size", "16", "--gradient_accumulation_steps", "4",
+               "--num_train_steps", "40", "--eval_interval", "10", "--num_eval_prompts", "128")
 
 
 def launch(arm: Arm, output_dir: Path, trainer_args: Sequence[str], nprocs: int = 2,
@@ -116,23 +132,6 @@ def hilore_config_with(changes: dict, path: Path) -> Path:
 # ---------------------------------------------------------------------------------- tables
 def fmt(value, spec: str, none: str = "n/a") -> str:
     return none if value is None else format(value, spec)
-
-
-def mib(values) -> str:
-    return "n/a" if not values else " / ".join(f"{v / MiB:.0f}" for v in values)
-
-
-def actions(summary: dict) -> str:
-    a = summary.get("actions")
-    return "- (GC)" if not a else f"{a['H']}/{a['L']}/{a['R']}/{a['E']}"
-
-
-def grad_error(summary: dict) -> str:
-    if not summary.get("hilore"):
-        return "0 (exact)"
-    error = summary.get("grad_error_measured_mean")
-    a = summary.get("actions") or {}
-    return "0 (exact: no L)" if a.get("L") == 0 else fmt(error, ".4f")
 
 
 def table(rows: list[tuple[str, ...]]) -> str:

@@ -1,7 +1,10 @@
 """``python -m examples.grpo.demo`` (``make demo``): the same seeded GRPO run twice -- with
-gradient checkpointing and with HiLoRe -- on 2 ranks with ZeRO-2 and LoRA, then side by side:
-held-out reward before and after, actor-update tokens/s, peak memory per rank, HiLoRe's
-H/L/R/E mix, the gradient error, and where the plots are.
+gradient checkpointing and with HiLoRe -- on 2 ranks with ZeRO-2 and LoRA, where activations
+matter (``DEMO_ARGS``: long prompts, 8 sequences per microbatch), then side by side: the actor
+update's time per step (paired, steady steps) and over the whole run (HiLoRe's warm-up
+included), peak memory per rank against the budget, held-out reward, the FLOP regime, and one
+figure with both runs overlaid. Writes ``summary.json`` and ``demo.png`` under ``--output_dir``
+(NOTE [ The demo's accounting ] in examples/grpo/accounting.py says what each figure means).
 
 Extra arguments go to the trainer of both runs (e.g. ``--num_train_steps 20``).
 """
@@ -9,19 +12,14 @@ Extra arguments go to the trainer of both runs (e.g. ``--num_train_steps 20``).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
-from examples.grpo.compare import (
-    ARMS,
-    DEMO_ARGS,
-    actions,
-    fmt,
-    grad_error,
-    launch,
-    mib,
-    table,
-)
+from examples.grpo.accounting import account
+from examples.grpo.compare import ARMS, DEMO_ARGS, fmt, launch, table
+from examples.grpo.figure import plot
+from examples.grpo.report import read_records
 
 MiB = 1 << 20
 
@@ -34,47 +32,84 @@ def parse_args():
     return parser.parse_known_args()
 
 
-def run_arms(args, extra: list[str]) -> dict[str, dict]:
+def run_arms(args, extra: list[str]) -> dict[str, Path]:
+    """Both runs, one after the other; their output folders."""
     out = Path(args.output_dir)
     trainer_args = [*DEMO_ARGS, "--seed", str(args.seed), "--warm_start_dir", str(out / "warm_start"), *extra]
-    return {arm.name: launch(arm, out / arm.name.lower(), trainer_args, args.nprocs) for arm in ARMS}
+    for arm in ARMS:
+        launch(arm, out / arm.name.lower(), trainer_args, args.nprocs)
+    return {arm.name: out / arm.name.lower() for arm in ARMS}
 
 
-def _speed(gc: dict, hl: dict, key: str) -> tuple[str, str]:
-    """GC's and HiLoRe's medians of ``key``; HiLoRe's with its ratio to GC's."""
-    a, b = gc.get(key), hl.get(key)
-    ratio = f" ({b / a:.2f}x)" if a and b else ""
-    return fmt(a, ",.0f"), fmt(b, ",.0f") + ratio
+def conclude(dirs: dict[str, Path], output_dir: Path, seconds: float) -> dict:
+    """The accounting of both runs, the figure, and ``summary.json``; returns the summary."""
+    records = {name: read_records(d / "metrics.jsonl") for name, d in dirs.items()}
+    summaries = {name: json.loads((d / "summary.json").read_text()) for name, d in dirs.items()}
+    numbers = account(records["GC"], records["HiLoRe"], summaries["GC"], summaries["HiLoRe"])
+    numbers["figure"] = str(plot(records["GC"], records["HiLoRe"], output_dir / "demo.png"))
+    numbers["minutes"] = seconds / 60
+    (output_dir / "summary.json").write_text(json.dumps(numbers, indent=1))
+    return numbers
 
 
-def side_by_side(summaries: dict[str, dict], seconds: float) -> str:
-    gc, hl = summaries["GC"], summaries["HiLoRe"]
-    rows = [
-        ("", "GC", "HiLoRe"),
-        ("held-out reward before", fmt(gc["held_out_before"], ".3f"), fmt(hl["held_out_before"], ".3f")),
-        ("held-out reward after", fmt(gc["held_out_after"], ".3f"), fmt(hl["held_out_after"], ".3f")),
-        ("actor update tokens/s", *_speed(gc, hl, "update_tokens_per_s")),
-        ("  per CPU-second (less noisy)", *_speed(gc, hl, "update_tokens_per_cpu_s")),
-        ("peak memory per rank, MiB", mib(gc["peak_bytes_per_rank"]), mib(hl["peak_bytes_per_rank"])),
-        ("  of which the update, MiB", mib(gc["peak_delta_bytes_per_rank"]), mib(hl["peak_delta_bytes_per_rank"])),
-        ("H/L/R/E (unit-microbatches)", actions(gc), actions(hl)),
-        ("mean gradient error", grad_error(gc), grad_error(hl)),
-        ("actor update / run, s", f"{gc['update_seconds']:.0f} / {gc['wall_seconds']:.0f}",
-         f"{hl['update_seconds']:.0f} / {hl['wall_seconds']:.0f}"),
-    ]
-    plan = hl.get("force_plan")
-    note = (f"HiLoRe plan: force_plan {plan} (set in examples/grpo/ds_config_hilore.json)" if plan
-            else "HiLoRe plan: chosen by the allocator")
-    return "\n".join([table(rows), note, "throughput: medians over steps 2..N (step 1 is metered for "
-                      "memory); other jobs on the machine move wall-clock numbers, CPU-seconds much less",
-                      f"plots: {gc['png']}, {hl['png']}", f"both runs: {seconds / 60:.1f} min"])
+# ---------------------------------------------------------------------------------- the table
+def _per_step(p: dict) -> str:
+    if p["median"] is None:
+        return "n/a (no steady step)"
+    interval = "no interval below 6 steps" if p["low"] is None else f"95 % interval {p['low']:.3f}-{p['high']:.3f}"
+    return f"{p['median']:.3f}x ({interval}; {p['n']} steps: {p['verdict']})"
+
+
+def _peaks(p: dict) -> tuple[str, str]:
+    if not p["gc_bytes"] or not p["hilore_bytes"]:
+        return "n/a", "n/a"
+    gc = " / ".join(f"{b / MiB:.0f}" for b in p["gc_bytes"])
+    hl = " / ".join(f"{b / MiB:.0f}" for b in p["hilore_bytes"])
+    ratios = " / ".join(f"{r:.3f}x" for r in p["ratio"])
+    return gc, f"{hl} ({ratios} GC's; budget {fmt(p['memory_budget'], '.2f')}x)"
+
+
+def _reward(q: dict, arm: str) -> str:
+    return f"{fmt(q[arm + '_before'], '.3f')} -> {fmt(q[arm + '_after'], '.3f')}"
+
+
+def _gflops(value) -> str:
+    return fmt(None if value is None else value / 1e9, ",.1f")
+
+
+def text(numbers: dict) -> str:
+    """The printed summary: the table, then how to read it."""
+    w, p, q, r, mix = (numbers[k] for k in ("whole_run", "per_step", "quality", "regime", "plan_mix"))
+    same = "the same trajectory, bitwise" if q["bitwise"] else ("the same" if q["same_after"] else "differs")
+    rows = [("", "GC", "HiLoRe"),
+            ("actor update, whole run, s", f"{w['gc_s']:.1f}",
+             f"{w['hilore_s']:.1f} (GC / HiLoRe {fmt(w['speedup'], '.3f')}x)"),
+            ("  HiLoRe's warm-up: steps, s above GC", "-",
+             f"{len(w['warm_up_steps'])} steps, {w['warm_up_cost_s']:+.1f} s"),
+            ("per steady step, GC time / HiLoRe time", "1", _per_step(p)),
+            ("peak memory per rank, MiB", *_peaks(numbers["peaks"])),
+            ("held-out reward before -> after", _reward(q, "gc"), f"{_reward(q, 'hilore')} ({same})"),
+            ("recomputed GFLOPs (one step, all ranks)", _gflops(r["gc_recomputed_flops"]),
+             _gflops(r["hilore_recomputed_flops"]) + (f" ({r['recompute_avoided']:.0%} avoided)"
+                                                     if r["recompute_avoided"] is not None else "")),
+            ("plan, unit-microbatches H/L/R/E", "-", "n/a" if not mix else f"{mix['H']}/{mix['L']}/{mix['R']}/{mix['E']}")]
+    share = fmt(None if r["gc_recompute_share"] is None else 100 * r["gc_recompute_share"], ".0f")
+    regime = (f"regime: GC recomputes {share} % of its update's FLOPs ({_gflops(r['gc_update_flops'])} GFLOPs "
+              f"a step, all ranks); {r['sequences_per_microbatch']} sequences (~"
+              f"{fmt(r['tokens_per_microbatch'], '.0f', '?')} tokens) per microbatch")
+    return "\n".join([
+        table(rows), regime,
+        "update times: each step's slowest rank, generation and evaluation left out; steady steps: no warm-up "
+        "work on any rank and not metered for memory; ratios above 1: HiLoRe faster",
+        f"figure: {numbers['figure']}; summary: {Path(numbers['figure']).with_name('summary.json')}",
+        f"both runs: {numbers['minutes']:.1f} min"])
 
 
 def main() -> None:
     args, extra = parse_args()
     start = time.perf_counter()
-    summaries = run_arms(args, extra)
-    print("\n" + side_by_side(summaries, time.perf_counter() - start), flush=True)
+    dirs = run_arms(args, extra)
+    print("\n" + text(conclude(dirs, Path(args.output_dir), time.perf_counter() - start)), flush=True)
 
 
 if __name__ == "__main__":

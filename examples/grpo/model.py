@@ -45,6 +45,9 @@ PRESETS: dict[str, Preset] = {
     # make demo: big enough for the actor update to dominate a step on a CPU
     "qwen2-small": Preset("qwen2", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=512,
                           warm_start_steps=120, warm_start_batch=32, warm_start_lr=1e-3),
+    # make demo (--task count): qwen2-small's shape; answers of ~175 tokens, so 8 a warm-start step
+    "qwen2-count": Preset("qwen2", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=512,
+                          warm_start_steps=200, warm_start_batch=8, warm_start_lr=3e-3),
     "llama-small": Preset("llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=512,
                           warm_start_steps=120, warm_start_batch=32, warm_start_lr=1e-3),
 }

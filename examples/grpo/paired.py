@@ -1,7 +1,7 @@
 """``python -m examples.grpo.paired --seeds 3 --steps N``: does HiLoRe change what is learned?
 
-For each seed, the demo's GRPO run with gradient checkpointing and with HiLoRe (same seed,
-same warm start, same prompts); then per seed and on average the final held-out reward of
+For each seed, a small GRPO run (``PAIRED_ARGS``: the reversal task) with gradient
+checkpointing and with HiLoRe (same seed, same warm start, same prompts); then per seed and on average the final held-out reward of
 each, their paired difference, and HiLoRe's measured relative gradient error per step
 (against no checkpointing, on each step's first micro-batch). The paper's claim at our scale:
 mean paired difference within 0.5 percentage points, mean gradient error <= 0.010.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from examples.grpo.compare import (
     ARMS,
-    DEMO_ARGS,
+    PAIRED_ARGS,
     fmt,
     hilore_config_with,
     launch,
@@ -60,7 +60,7 @@ def run_seed(args, seed: int, extra: list[str]) -> dict[str, dict]:
     """Both arms of one seed; a finished run of the same command is reused (the GC arms are
     shared by comparisons of several HiLoRe settings in one --output_dir)."""
     out = Path(args.output_dir) / f"seed{seed}"
-    trainer_args = [*DEMO_ARGS, "--num_train_steps", str(args.steps), "--seed", str(seed),
+    trainer_args = [*PAIRED_ARGS, "--num_train_steps", str(args.steps), "--seed", str(seed),
                     "--warm_start_dir", str(Path(args.output_dir) / "warm_start"), *extra]
     gc, hilore = ARMS
     return {"GC": launch(gc, out / "gc", trainer_args, args.nprocs, reuse=True),

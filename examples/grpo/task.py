@@ -1,9 +1,11 @@
 """Data and reward: the built-in verifiable task, JSONL prompt/answer files, named rewards.
 
-The built-in task is string reversal: the prompt ``"cabd="`` asks for ``"dbac"``. It is
-seeded, has a held-out split that no training prompt comes from, and its reward gives
-partial credit (the share of positions right), so that GRPO groups rarely tie and every
-step has something to learn from.
+The built-in tasks (``--task``): ``reverse``, string reversal -- the prompt ``"cabd="`` asks
+for ``"dbac"``; ``count``, an arithmetic sequence written out -- ``"389+4:441="`` asks for
+``"389 393 397 ... 441"``, a long answer from a short prompt (``make demo``). Each is seeded,
+has a held-out split that no training prompt comes from, and its reward gives partial credit
+(the share of positions right), so that GRPO groups rarely tie and every step has something to
+learn from.
 
     task = ReverseTask()
     examples = task.sample(rng, 8, split="train")          # [Example(prompt, answer), ...]
@@ -19,8 +21,8 @@ import random
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["Example", "JsonlTask", "REWARDS", "ReverseTask", "char_match", "exact_match",
-           "in_held_out", "load_task"]
+__all__ = ["CountTask", "Example", "JsonlTask", "REWARDS", "ReverseTask", "TASKS", "char_match",
+           "exact_match", "in_held_out", "load_task"]
 
 SPLITS = ("train", "held_out")
 
@@ -107,6 +109,63 @@ class ReverseTask:
         """The first ``n`` held-out examples: the same in every run, whatever its seed."""
         return self.sample(random.Random("held_out"), n, "held_out")
 
+    @property
+    def longest(self) -> tuple[int, int]:
+        """Characters of the longest prompt and of the longest answer."""
+        return self.max_len + 1, self.max_len
+
+
+@dataclasses.dataclass(frozen=True)
+class CountTask:
+    """Write out an arithmetic sequence: ``"389+4:441="`` (first term, step, last term) ->
+    ``"389 393 397 ... 441"``. Every term has three digits, so a character's position says
+    which digit of which term it is (partial credit lines up); ``min_terms``-``max_terms``
+    terms, an answer of 4 x terms - 1 characters. Each next term follows from the one before,
+    so a small model learns the rule from a short warm start, and the answer's length comes
+    from the prompt."""
+
+    min_terms: int = 38
+    max_terms: int = 50
+    max_step: int = 9
+    held_out_share: float = 0.1
+    reward: str = "char_match"
+
+    @property
+    def key(self) -> dict:
+        return {"name": "count", **dataclasses.asdict(self)}
+
+    @property
+    def characters(self) -> str:
+        return "0123456789+: ="
+
+    def make(self, first: int, step: int, terms: int) -> Example:
+        last = first + step * (terms - 1)
+        return Example(prompt=f"{first}+{step}:{last}=", answer=" ".join(str(first + step * i) for i in range(terms)))
+
+    def sample(self, rng: random.Random, n: int, split: str = "train") -> list[Example]:
+        """``n`` examples of ``split`` drawn with ``rng`` (rejection on the hash split)."""
+        _check_split(split)
+        out = []
+        while len(out) < n:
+            terms = rng.randint(self.min_terms, self.max_terms)
+            step = rng.randint(1, self.max_step)
+            example = self.make(rng.randint(100, 999 - step * (terms - 1)), step, terms)
+            if in_held_out(example.prompt, self.held_out_share) == (split == "held_out"):
+                out.append(example)
+        return out
+
+    def held_out(self, n: int) -> list[Example]:
+        """The first ``n`` held-out examples: the same in every run, whatever its seed."""
+        return self.sample(random.Random("held_out"), n, "held_out")
+
+    @property
+    def longest(self) -> tuple[int, int]:
+        """Characters of the longest prompt and of the longest answer."""
+        return len("999+9:999="), 4 * self.max_terms - 1
+
+
+TASKS = {"reverse": ReverseTask, "count": CountTask}
+
 
 @dataclasses.dataclass(frozen=True)
 class JsonlTask:
@@ -141,11 +200,12 @@ class JsonlTask:
         return self.split("held_out")[:n]
 
 
-Task = ReverseTask | JsonlTask
+Task = ReverseTask | CountTask | JsonlTask
 
 
-def load_task(data_path: str | None, reward: str | None) -> Task:
-    """The built-in task (``data_path`` None) or a JSONL file; ``reward`` names a REWARDS entry.
+def load_task(data_path: str | None, reward: str | None, task: str = "reverse") -> Task:
+    """The built-in ``task`` (a key of TASKS; with ``data_path`` None) or a JSONL file;
+    ``reward`` names a REWARDS entry.
 
     Raises:
         ValueError: a missing or malformed file, an unknown reward, an empty split.
@@ -153,7 +213,9 @@ def load_task(data_path: str | None, reward: str | None) -> Task:
     if reward is not None and reward not in REWARDS:
         raise ValueError(f"--reward {reward!r} is not known; known: {', '.join(REWARDS)}.")
     if data_path is None:
-        return ReverseTask(**({} if reward is None else {"reward": reward}))
+        if task not in TASKS:
+            raise ValueError(f"--task {task!r} is not known; known: {', '.join(TASKS)}.")
+        return TASKS[task](**({} if reward is None else {"reward": reward}))
     path = Path(data_path)
     if not path.is_file():
         raise ValueError(f"--data_path {data_path}: no such file. Pass a JSONL file with one "

@@ -37,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ds_hilore  # noqa: E402
 from examples.grpo.arguments import UsageError, parse_args  # noqa: E402
+from examples.grpo.flops import count_update_flops  # noqa: E402
 from examples.grpo.model import PRESETS, add_lora, load_actor  # noqa: E402
 from examples.grpo.report import Report  # noqa: E402
 from examples.grpo.rollout import evaluate, make_rollout, set_checkpointing  # noqa: E402
@@ -71,7 +72,7 @@ def setup(args) -> Run:
     _share_cpu_cores()
     _check_resume(args)
     try:
-        task = load_task(args.data_path, args.reward)
+        task = load_task(args.data_path, args.reward, args.task or "reverse")
     except ValueError as error:
         raise UsageError(str(error)) from None
     device = deepspeed.get_accelerator().current_device_name()
@@ -166,18 +167,24 @@ def resume(engine, args) -> int:
 
 
 # ---------------------------------------------------------------------------------- train
-def train(run: Run) -> None:
+def train(run: Run) -> dict | None:
+    """The training loop; returns the FLOP count of the last step's update (``--count_flops``)."""
     args = run.args
     if run.start_step == 0:
         run.report.log({"step": 0, "total_steps": args.num_train_steps, "held_out_reward": held_out_reward(run)})
+    rollout = None
     for step in range(run.start_step + 1, args.num_train_steps + 1):
-        run.report.log(train_step(run, step))
+        record, rollout = train_step(run, step)
+        run.report.log(record)
         if args.save_interval and (step % args.save_interval == 0 or step == args.num_train_steps):
             save(run, step)
+    if not args.count_flops or rollout is None:
+        return None
+    return count_update_flops(run.engine, rollout, args, run.checkpointing)  # NOTE [ Counting FLOPs after training ]
 
 
-def train_step(run: Run, step: int) -> dict:
-    """Rollout, update, (evaluation); returns the step's record."""
+def train_step(run: Run, step: int) -> tuple[dict, object]:
+    """Rollout, update, (evaluation); returns the step's record and its rollout."""
     args, engine = run.args, run.engine
     start = time.perf_counter()
     torch.manual_seed(_seed(args.seed, "sampling", step, run.rank))  # generate's sampling
@@ -193,7 +200,7 @@ def train_step(run: Run, step: int) -> dict:
     record.update(held_out_reward=held_out_reward(run) if evaluated else None, grad_error_measured=grad_error,
                   trainable_sha256=trainable_digest(engine.module),  # bitwise comparisons of runs
                   step_s=time.perf_counter() - start)
-    return record
+    return record, rollout
 
 
 def _record(run: Run, step: int, rollout, update, metered: bool) -> dict:
@@ -204,14 +211,15 @@ def _record(run: Run, step: int, rollout, update, metered: bool) -> dict:
     world = run.world_size
     record = {"step": step, "total_steps": run.args.num_train_steps, "train_reward": sums[0] / sums[1],
               "loss": sums[2] / world, "kl": sums[3] / world, "clip_fraction": sums[4] / world,
-              "update_tokens": int(sums[5]), "update_s": seconds, "update_cpu_s": sums[6],
+              "update_tokens": int(sums[5]), "update_s": seconds, "update_cpu_s": sums[6], "metered": metered,
               "update_tokens_per_s": None if metered else sums[5] / seconds,
               "update_tokens_per_cpu_s": None if metered else sums[5] / sums[6],
               "peak_bytes": _gather(update.peak_bytes) if metered else None,
               "peak_delta_bytes": _gather(update.peak_delta) if metered else None, "grad_error_est": None}
     if update.hilore is not None:
         stats = run.engine.hilore.stats  # the last optimizer step's
-        record.update(update.hilore, grad_error_est=stats.get("grad_error_est"),
+        record.update(update.hilore, warm_up=_summed_dicts(_gather(update.hilore["warm_up"])),
+                      grad_error_est=stats.get("grad_error_est"),
                       packed_rel_error_max=stats.get("packed_rel_error_max"))
     return record
 
@@ -233,21 +241,32 @@ def _all_reduce(values: list[float], op) -> list[float]:
     return t.tolist()
 
 
-def _gather(value: int) -> list[int]:
+def _summed_dicts(dicts: list[dict]) -> dict:
+    """Every rank's warm-up work, kind by kind: a step is steady only when no rank learned."""
+    out: dict = {}
+    for d in dicts:
+        for key, value in d.items():
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def _gather(value):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
 
 
 # ---------------------------------------------------------------------------------- cleanup
-def cleanup(run: Run) -> None:
+def cleanup(run: Run, flops: dict | None = None) -> None:
     """Summary and plot (rank 0), each rank's result file (``--result_dir``), then a barrier and
     the process groups destroyed: a gloo process group left alive can abort the process in C++
-    as the interpreter exits."""
+    as the interpreter exits. ``flops``: ``train``'s count, into the summary."""
     engine = run.engine
+    hilore = engine.hilore.config if engine.hilore is not None else None
     extra = {"deepspeed_config": run.args.deepspeed_config, "world_size": run.world_size,
-             "hilore": engine.hilore is not None,
-             "force_plan": engine.hilore.config.force_plan if engine.hilore is not None else None,
+             "hilore": hilore is not None, "force_plan": hilore.force_plan if hilore else None,
+             "memory_budget": hilore.memory_budget if hilore else None, "flops": flops,
+             "sequences_per_microbatch": run.args.per_device_training_batch_size,
              "trainable_sha256": trainable_digest(engine.module)}
     summary = run.report.finish(extra)
     if run.args.result_dir is not None:  # read by tests (tests/launch.py)
@@ -273,8 +292,8 @@ def main(argv=None) -> None:
         run = setup(args)
     except UsageError as error:
         _exit_with(error)
-    train(run)
-    cleanup(run)
+    flops = train(run)
+    cleanup(run, flops)
 
 
 def _exit_with(error: UsageError) -> NoReturn:

@@ -46,7 +46,8 @@ class UpdateResult:
     cpu_seconds: float  # CPU time of this process during the update (less sensitive to other jobs)
     peak_bytes: int | None  # PeakMeter's peak during the update (None when not metered)
     peak_delta: int | None  # the same above what was in use when the update began
-    hilore: dict | None  # H/L/R/E counts, bytes per action, recomputed units, codec and recompute seconds
+    hilore: dict | None  # H/L/R/E counts, bytes per action, recomputed units, codec and recompute
+    # seconds, and the warm-up work of its optimizer steps (stats["warm_up"], kinds summed; {}: steady)
 
 
 def actor_update(engine, rollout: Rollout, args, meter_memory: bool = False) -> UpdateResult:
@@ -73,7 +74,7 @@ def actor_update(engine, rollout: Rollout, args, meter_memory: bool = False) -> 
                     clips.append(out.metrics["clip_fraction_low"] + out.metrics["clip_fraction_high"])
                     tokens += micro.tokens
                 if totals is not None:  # the optimizer step just taken: its micro-batches only
-                    totals.add(engine.hilore.stats["microbatches"][-len(minibatch):])
+                    totals.add(engine.hilore.stats, len(minibatch))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return UpdateResult(
         loss=sum(losses) / len(losses), kl=sum(kls) / len(kls), clip_fraction=sum(clips) / len(clips),
@@ -170,9 +171,13 @@ class _HiLoReTotals:
         self.bytes = dict.fromkeys(ACTIONS, 0)
         self.recomputed_units = 0
         self.recompute_s = self.pack_s = self.unpack_s = 0.0  # seconds
+        self.warm_up: dict[str, float] = {}  # NOTE [ Warm-up, counted ] in ds_hilore/plan/scheduler.py
 
-    def add(self, microbatches: list[dict]) -> None:
-        for mb in microbatches:
+    def add(self, stats: dict, microbatches: int) -> None:
+        """An optimizer step's ``engine.hilore.stats``: its last ``microbatches`` micro-batches."""
+        for kind, amount in (stats.get("warm_up") or {}).items():
+            self.warm_up[kind] = self.warm_up.get(kind, 0) + amount
+        for mb in stats["microbatches"][-microbatches:]:
             for a in ACTIONS:
                 self.actions[a] += mb["actions"].get(a, 0)
                 self.bytes[a] += mb["bytes"].get(a, 0)

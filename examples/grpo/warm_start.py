@@ -12,6 +12,7 @@ this procedure's version) gives another digest, hence a fresh build.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,7 +49,7 @@ def prepare_actor(preset_or_path: str, seed: int, task: Task, root: str | os.Pat
     """The directory to load the actor from, and whether this call built it.
 
     A local directory is returned as it is. For a preset, rank 0 builds the warm start unless
-    the cache holds it; the other ranks wait at a barrier (when torch.distributed is up).
+    the cache holds it; the other ranks wait for it (NOTE [ Waiting for the warm start ]).
     """
     if preset_or_path not in PRESETS:
         return Path(preset_or_path), False
@@ -56,11 +57,39 @@ def prepare_actor(preset_or_path: str, seed: int, task: Task, root: str | os.Pat
     built = False
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (path / "cache_key.json").is_file():
-        warm_start(preset_or_path, seed, task, path, device)
+        with _every_core(device):
+            warm_start(preset_or_path, seed, task, path, device)
         built = True
+    elif rank != 0:
+        _wait_for(path / "cache_key.json")
     if dist.is_initialized():
         dist.barrier()
     return path, built
+
+
+def _wait_for(stamp: Path, poll_s: float = 0.5) -> None:
+    """NOTE [ Waiting for the warm start ]
+    A barrier of the gloo process group gives up after its timeout (10 minutes), and on a busy
+    machine a warm start can take longer. The other ranks wait for the checkpoint's last file
+    instead (they load it from the same folder, so they see it), then meet rank 0 at a barrier.
+    If rank 0 fails, the launcher ends them."""
+    while not stamp.is_file():
+        time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def _every_core(device: torch.device | str):
+    """NOTE [ The warm start on every core ]
+    On a CPU each rank runs on its share of the cores (OMP_NUM_THREADS), but while rank 0
+    builds the warm start the other ranks only wait at a barrier (a blocking read, no spinning):
+    rank 0 takes every core of the machine for it, and gives them back before training."""
+    threads = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(max(threads, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def warm_start(preset: str, seed: int, task: Task, path: Path, device: torch.device | str = "cpu") -> None:
