@@ -65,6 +65,9 @@ class Microbatch:
         self.norms_all = False
         self.unit_risks: dict[str, float] = {}  # the policy's risk of its units (the risk fit)
         self.as_gc = False  # it ran as gradient checkpointing (NOTE [ Never slower than GC ])
+        self.split = None  # its rows kept and run without autograd (NOTE [ Kept rows only ] in rows.py)
+        self.rows_refused = False  # planned for its kept rows, run whole and all R instead
+        self.rows_due = False  # some rank split its rows: their merges leave late flags (agreed)
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)
