@@ -34,6 +34,7 @@ from ds_hilore.runtime.plans import ACTIONS, Plans
 from ds_hilore.runtime.registry import ATTACHED as _ATTACHED  # noqa: F401 (importable here)
 from ds_hilore.runtime.registry import find_runtime, first_reached, sharing
 from ds_hilore.runtime.units import LayerUnits, Unit, find_layers
+from ds_hilore.runtime.unpredicted import ZeroSeen
 from ds_hilore.runtime.weights import WeightRecognizer
 
 __all__ = ["ACTIONS", "HiLoReRuntime", "attach", "find_runtime"]
@@ -76,6 +77,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         self._split_next = None  # the rows of the next microbatch, as the policy split them
         self._expected_next = None  # without a policy: the prediction for the next microbatch
         self._warned_rows = False
+        self._zero_seen = ZeroSeen()  # NOTE [ Zero sequences found late ] in unpredicted.py
         # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
         # of set_plan / force_plan holds. The runtime calls it at fixed points and never
         # imports it: begin_forward(args, kwargs) before a training forward of the model,
@@ -191,6 +193,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         Without the allocator (``set_plan`` / ``force_plan``) only the rows are split.
         """
         values = exposure.tolist() if isinstance(exposure, torch.Tensor) else exposure
+        self._zero_seen.predicted = self._zero_seen.predicted or values is not None
         if self.policy is not None:
             self.policy.expect(values, step_exposure, exposed_microbatches)
         elif self.config.exposure_source != "hidden_grad":
@@ -285,7 +288,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
     def check_late(self) -> None:
         """Before an optimizer step, on every rank at the same point: raises on every rank if
         a backward on any rank sent gradient to elided sequences (NOTE [ Collective elision ]
-        in elision.py)."""
+        in agreement.py)."""
         self._elision.flush_late()
 
     def end_step(self, step: int | None = None) -> None:
@@ -293,6 +296,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         previous one's number plus one). Raises if a backward since the last read sent
         gradient to elided sequences (NOTE [ Checked elision ] in elision.py)."""
         self._elision.flush_late()
+        self._zero_seen.end_step(self.collective)
         if self.policy is not None:
             self.policy.end_step()
             self._warn_if_never_planned()

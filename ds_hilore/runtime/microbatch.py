@@ -95,7 +95,7 @@ class Microbatch:
     # data: a packed run of its sequences was not finite, a tensor that looked like a weight
     # cast is not one. Under ZeRO-3 a recompute gathers the layer's parameters, so a unit sent
     # to R on one rank only would issue gathers the other ranks never match (NOTE [ Collective
-    # elision ] in elision.py). So the failures become one flag per unit of the model (unit
+    # elision ] in agreement.py). So the failures become one flag per unit of the model (unit
     # order), OR-ed over ranks by an all-reduce of max, and every rank recomputes the union;
     # recomputing a unit whose checks held here is exact, only slower. The checks are read
     # with the coefficients (NOTE [ Two reads per microbatch ] in reads.py), their flags riding
