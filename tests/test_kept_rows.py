@@ -264,3 +264,28 @@ def _short_of_memory(runtime, config) -> None:
         if "H" in bucket.plan.actions.values():
             break
     assert 0 < list(bucket.plan.actions.values()).count("H") < 4, bucket.plan
+
+
+def test_zero_sequences_found_late_are_said_once_with_the_line_that_hands_the_prediction_over(
+        caplog):
+    """NOTE [ Zero sequences found late ] in ds_hilore/runtime/unpredicted.py: without a
+    prediction, the first step that finds zero sequences after their forward says how many,
+    and the line that hands the prediction over; once per run, and never for a step that had
+    a prediction."""
+    model, _, runtime = _attached("R")
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+            ids, omega = _data(20, PART)
+            runtime.expect(omega.abs().sum(1).tolist())
+            _step(model, ids, omega, runtime)
+            runtime.end_step()  # predicted: nothing said
+            said = [r.getMessage() for r in caplog.records if "found only after" in r.getMessage()]
+            assert said == []
+            for seed in (21, 22):
+                _step(model, *_data(seed, PART), runtime)
+                runtime.end_step()
+        said = [r.getMessage() for r in caplog.records if "found only after" in r.getMessage()]
+        assert len(said) == 1 and "2 of this optimizer step's 4 sequences" in said[0], said
+        assert "expect(ds_hilore.grpo.exposure.predicted(advantages, response_mask))" in said[0]
+    finally:
+        runtime.detach()

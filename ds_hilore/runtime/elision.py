@@ -32,14 +32,17 @@ but a run that raises is no product. A microbatch whose layers' backward is skip
 backward of zeros ]) runs no kernel at all, so ``elide_zero_rows`` has three settings: true
 elides every zero sequence, "whole" elides only a microbatch whose every sequence is
 zero and only when its layers' backward will be skipped (``_may_skip``: the loss's own ω, a
-backward not measured, no ZeRO partitioning hooks), and false nothing. "auto" is true where
-stand-ins are shown exact (CPU) and "whole" on accelerators: the A = 0 microbatches of GRPO,
-planned all R from the prediction, still cost no backward there. Should the skip not happen
-after all, ``_no_stand_ins`` sends every frame holding elided sequences to R before any layer's
-backward reads one. The scheduler elides at capture only what "whole" allows: a microbatch
-predicted zero in every sequence, planned all R, and only where the skip can happen (under
-ZeRO 1-3 it runs the bucket's plan: its backward runs anyway, and R would recompute it all;
-a microbatch that leave-one-out times runs the variant it times).
+backward not measured, not ZeRO-3), and false nothing. "auto" is true where stand-ins are
+shown exact (CPU) and "whole" on accelerators: the A = 0 microbatches of GRPO, planned all R
+from the prediction, still cost no backward there. Should the skip not happen after all,
+``_no_stand_ins`` sends every frame holding elided sequences to R before any layer's backward
+reads one. Sequences a prediction says are zero are not elided at capture in either setting:
+they run their layers without autograd, and no backward ever meets them (NOTE [ Kept rows
+only ] in rows.py); where their rows cannot be run apart (a layer that draws random
+numbers), the scheduler elides at capture only what the setting allows -- under "whole" a
+microbatch predicted zero in every sequence, planned all R, and only where the skip can
+happen (under ZeRO-3 it runs the bucket's plan: its backward runs anyway, and R would
+recompute it all; a microbatch that leave-one-out times runs the variant it times).
 """
 
 from __future__ import annotations

@@ -22,11 +22,16 @@ told apart, is not split at all. Packed rows (several sequences per row) are row
 kept if any of its sequences is, so its prediction is the sum of its sequences'.
 
 Exact. The rows of a GEMM, a norm or an attention over a batch do not depend on the other
-rows (bitwise on CPU fp32), so the outputs are those of the layer over the whole batch. The
-weight gradients sum over the kept rows only: bitwise those of the same model run on the
-kept rows alone, in their order (what a trainer that drops the zero sequences computes), and
-within fp32 rounding of the whole batch's (whose sums add the zero rows' exact zeros in
-other places of a blocked reduction). Where the layers draw random numbers (dropout in
+rows (bitwise on CPU fp32), so the outputs are those of the layer over the whole batch, and
+so are the loss, the logits and every gradient outside the decoder layers (the layers' input
+gradients are exact row by row). The layers' weight gradients sum over the kept rows only:
+bitwise those of the same model run on the kept rows alone, in their order (what a trainer
+that drops the zero sequences computes), and within fp32 rounding of the whole batch's, whose
+blocked reductions add the zero rows' exact zeros between the others' and round the partial
+sums elsewhere. Measured on a 2-core AMD EPYC (fp32, SDPA, hidden 256, MLP 1024, 8 sequences
+of 256 tokens, 4 of them zero, H and R alike): 14 of the 24 decoder-layer gradient tensors
+differ from the whole batch's, by at most 4.8e-7 of the tensor's largest value; at the tests'
+width (hidden 64) none does. Where the layers draw random numbers (dropout in
 training mode) the masks would differ from the whole batch's, and where a layer returns more
 than its hidden states with a gradient (router logits, attentions), the zero rows could get
 gradient no check sees: the layers are known safe from their first call (``row_safe``), and

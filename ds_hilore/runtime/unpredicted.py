@@ -42,7 +42,7 @@ class ZeroSeen:
     def end_step(self, collective) -> None:
         """Said once per run, on rank 0, for a step that found zero sequences unpredicted."""
         if not self.said and not self.predicted and self.zero and (
-                collective is None or collective.rank == 0):
+                collective is None or getattr(collective, "rank", 0) == 0):
             self.said = True
             logger.warning(
                 "ds_hilore: %d of this optimizer step's %d sequences (%.0f %%, on rank 0) had loss "
