@@ -142,7 +142,9 @@ class HiLoReConfig(_ConfigModel):
         "layers' backward is then skipped, so no kernel's backward reads the stand-in values "
         "of elided sequences; false: none (every sequence stored or recomputed as planned). "
         "auto: true on CPU, \"whole\" on accelerators, where CUDA's attention kernels were "
-        "seen to turn stand-ins into gradient."))
+        "seen to turn stand-ins into gradient. In every setting but false, sequences a "
+        "prediction (expect) says are zero run their layers without autograd, and the layers' "
+        "recompute and backward cost the others only (kept rows only)."))
     exposure_source: Literal["auto", "analytic", "hidden_grad"] = Field("auto", description=(
         "Per-token coefficients: analytic (ds_hilore.grpo / set_coefficients), hidden_grad "
         "(gradient at the last hidden state, any loss), auto (analytic when given)."))

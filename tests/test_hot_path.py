@@ -143,7 +143,7 @@ def test_the_coefficients_and_the_top_of_the_backward_are_one_all_reduce_each(mo
     # coefficients the elision's decision (with the deferred checks, the late flags and the
     # policy's risk of every unit); at the top of the backward the leak check of the elided
     # sequences
-    assert calls == ["_bucket_key", "_agree", "settle"], calls
+    assert calls == ["_bucket_key", "agree", "settle"], calls
     assert len(reads) <= 2, reads
 
 
@@ -315,12 +315,13 @@ def test_elision_auto_elides_rows_on_cpu_and_whole_microbatches_on_accelerators(
 
 class LateOnOtherRank:
     """``runtime.collective`` of two ranks whose other rank's last backward leaked: the late
-    flag it sends with the elision's decision (the vector ``_agree`` all-reduces ends with it
-    and whether this microbatch leaves one; no policy here, so no risks follow)."""
+    flag it sends with the elision's decision (the vector ``agree`` all-reduces in agreement.py
+    ends with it, whether this microbatch leaves one, whether a row predicted zero has
+    coefficients and whether its rows were split; no policy here, so no risks follow)."""
 
     def all_reduce_max_float(self, values):
-        if sys._getframe(1).f_code.co_name == "_agree":
-            return [*values[:-2], 1.0, values[-1]]
+        if sys._getframe(1).f_code.co_name == "agree":
+            return [*values[:-4], 1.0, *values[-3:]]
         return list(values)
 
     def all_reduce_max(self, values):

@@ -1,5 +1,5 @@
 """Decisions about elided sequences taken the same on every rank, under a real DeepSpeed engine
-on 2 CPU ranks (NOTE [ Collective elision ] in ds_hilore/runtime/elision.py): one launch of
+on 2 CPU ranks (NOTE [ Collective elision ] in ds_hilore/runtime/agreement.py): one launch of
 tests/workers/rank_agreement_worker.py (its docstring says what each case does)."""
 
 from __future__ import annotations

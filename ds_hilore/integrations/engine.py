@@ -180,9 +180,7 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
     try:  # an engine that cannot take HiLoRe leaves its model as it found it
         if follow_script:
             runtime.follow_script_checkpointing()
-        # NOTE [ A backward of zeros ] in runtime/zero_backward.py: ZeRO 1-3 reduce gradients in
-        # hooks
-        runtime.zero_backward_skip = engine.zero_optimization_stage() == 0
+        _zero_stage(runtime, engine.zero_optimization_stage())
         if runtime.policy is not None:  # NOTE [ Matched passes under ZeRO-3 ] (zero3_passes.py)
             offload = getattr(engine.optimizer, "parameter_offload", None)
             runtime.policy.passes.zero3_offload = offload
@@ -195,6 +193,23 @@ def _attach_runtime(engine: Any, hilore_config: HiLoReConfig, follow_script: boo
         raise
 
 
+def _zero_stage(runtime: Any, stage: int) -> None:
+    """What the ZeRO stage allows: a rank's skipped backward of zeros (NOTE [ A backward of
+    zeros ] in runtime/zero_backward.py) below stage 3, where each rank's backward is its own;
+    at stage 3 the module calls of every rank match instead (NOTE [ Kept rows only ] in
+    runtime/rows.py). Said once at stage 3."""
+    runtime.zero_backward_skip = stage < 3
+    runtime.matched_calls = stage >= 3
+    if stage >= 3 and not _SAID_STAGE3:
+        _SAID_STAGE3.append(True)
+        logger.info("ds_hilore: under ZeRO-3 a microbatch whose loss coefficients all turn out "
+                    "zero after its forward still runs its layers' backward (ZeRO-3 gathers and "
+                    "reduce-scatters in the backward's module hooks, which every rank must "
+                    "reach). Handing the prediction before the forward (runtime.expect) runs its "
+                    "layers' backward over one row instead.")
+
+
+_SAID_STAGE3: list = []
 _ENGINE_CLASSES: dict[type, type] = {}
 
 

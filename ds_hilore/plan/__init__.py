@@ -10,6 +10,7 @@ sequence or recomputed (R), within a memory budget and a gradient-error budget.
     allocate.py      a bucket's plan from its profile (pure)
     scheduler.py     the per-microbatch pipeline (NOTE [ One microbatch ])
     buckets.py       a shape bucket, priced for its longest length
+    prediction.py    a prediction's rows: agreed over ranks, run apart, the plan re-solved for them
     slices.py        a microbatch's unit-sequence slices: their risk, the exposure quartiles
     metering.py      the scheduler's memory windows: GC's profiled peak, memory that appears
     checks.py        ... a plan's peak checked against the budget at its microbatch's length

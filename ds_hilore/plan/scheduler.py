@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from ds_hilore.plan import budget as budgets
-from ds_hilore.plan import records
+from ds_hilore.plan import prediction, records
 from ds_hilore.plan.allocate import Plan, allocate
-from ds_hilore.plan.buckets import (Bucket, input_shape, kept_rows, priced_for_longest, priced_rooms,
+from ds_hilore.plan.buckets import (Bucket, input_shape, priced_for_longest, priced_rooms,
                                     stores_all)
 from ds_hilore.plan.calibrate import MatchedPasses
 from ds_hilore.plan.metering import Metering, agree
@@ -65,8 +65,9 @@ class Scheduler:
         self.bucket: Bucket | None = None  # of the forward in progress
         self.rows_here = 1  # sequences of the forward in progress on this rank (Uneven batches)
         self.length_here = 1  # ... and its positions (a profile sample's tokens, a check's budget)
-        self.row_values = [1.0, 1.0, 1.0, 1.0]  # this rank's prediction's rows (_row_values)
-        self.rows_agreed = [1.0, 1.0, 1.0, 1.0]  # ... the max over ranks
+        # this rank's prediction's rows (prediction.row_values), and the max over ranks
+        self.row_values = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+        self.rows_agreed = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
         self.longest = 0  # the forward in progress's length, the max over ranks
         self.metering = Metering(self)  # the memory windows (plan/metering.py)
         self.passes = MatchedPasses(self)
@@ -91,7 +92,9 @@ class Scheduler:
         self.metering.end_windows()
         self.metering.begin_step()  # NOTE [ Memory that appears after profiling ]
         self.rows_here, length = input_shape(args, kwargs)
-        key, shortest = self._bucket_key(self.rows_here, length, self._row_values())
+        self.runtime._split_next = None  # set by ``_apply`` for this forward only
+        key, shortest = self._bucket_key(self.rows_here, length,
+                                         prediction.row_values(self, length))
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = Bucket(key, Profiler(key, self.config.profile_microbatches))
@@ -130,7 +133,7 @@ class Scheduler:
                     self.metering.open_check(bucket, self.longest, ran)
             self.timing = (bucket.loo, variant, self._now(), self.rows_here * length)
         else:
-            self.metering.open_check(bucket, self.longest, self._apply(bucket))
+            self.metering.open_check(bucket, self.longest, self._apply(bucket, steady=True))
         self.expected = None  # a prediction is for this microbatch only
         self.alloc_s += time.perf_counter() - begin
 
@@ -346,15 +349,18 @@ class Scheduler:
             if bucket.profile is not None:
                 self._plan_bucket(bucket, profiled=False)
 
-    def _apply(self, bucket: Bucket, recompute_layer: int | None = None, exact: bool = False) -> str:
+    def _apply(self, bucket: Bucket, recompute_layer: int | None = None, exact: bool = False,
+               steady: bool = False) -> str:
         """The bucket's plan for this microbatch: splits by predicted exposure (the most exposed
-        sequences H, the least exposed L), sequences predicted 0 elided (E) and the memory they
-        leave spent (``_plan_for_rows``; all R when every one is: NOTE [ A microbatch predicted
-        zero ]); ``recompute_layer``: that layer R instead (a leave-one-out variant, timed on
-        the bucket's own plan). Returns what the microbatch runs, for the plan's check (NOTE
-        [ The plan's peak, checked ] in checks.py): ``"whole"`` the bucket's plan itself,
-        every sequence kept; ``"nothing"`` all R; ``"part"`` a plan re-solved for the sequences
-        it keeps. The same on every rank but for the sequences kept."""
+        sequences H, the least exposed L), sequences predicted 0 run apart without autograd
+        (``steady``: a microbatch neither timed nor calibrated; NOTE [ Kept rows only ] in
+        runtime/rows.py) or elided (E), and the memory they leave spent (``_plan_for_rows``;
+        all R when every one is: NOTE [ A microbatch predicted zero ]); ``recompute_layer``:
+        that layer R instead (a leave-one-out variant, timed on the bucket's own plan). Returns
+        what the microbatch runs, for the plan's check (NOTE [ The plan's peak, checked ] in
+        checks.py): ``"whole"`` the bucket's plan itself, every sequence kept; ``"nothing"``
+        all R; ``"part"`` a plan re-solved for the sequences it keeps. The same on every rank
+        but for the sequences kept."""
         plan, batch = bucket.plan, min(self.rows_here, bucket.key[0])  # NOTE [ Uneven batches ]
         if recompute_layer is not None:
             layer_of = {c.name: c.layer for c in bucket.profile.units}
@@ -362,27 +368,25 @@ class Scheduler:
                 n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         mode = self.runtime.elision_mode(self._device())  # NOTE [ Stand-ins on accelerators ]
-        # "whole": only where the backward will be skipped -- not under ZeRO 1-3, nor on a
+        split = steady and prediction.splits(self)  # the same on every rank
+        # "whole": only where the backward will be skipped -- not under ZeRO-3, nor on a
         # microbatch leave-one-out times (``_may_skip`` in elision.py); nothing is short where
         # every unit is stored whole (keeps_whole)
-        shared = not stores_all(bucket) and (mode is True or (
+        shared = not stores_all(bucket) and (mode is True or split or (
             self.runtime.zero_backward_skip and bucket.loo is None))
-        elide = bool(expected) and shared and self.row_values[0] == 0  # this rank's prediction
         self.predicted_zero = False  # set by _plan_for_rows: from all-reduced values only
         if bucket.loo is None:
-            plan = self._plan_for_rows(bucket, shared)
-        kept = [i for i in range(batch) if not (elide and expected[i] == 0)]
-        order = sorted(kept, key=lambda i: (expected[i], i)) if expected else kept
-        packed = set(order[:len(kept) // 2])  # the less exposed half of the sequences kept
-        actions, rows = {}, {}
-        for name, action in plan.actions.items():
-            actions[name] = "H" if action == "S" else action
-            if action in ("S", "H", "L") and (action == "S" or elide):
-                per_row = ["L" if (action == "S" and i in packed) or action == "L" else "H"
-                           for i in range(batch)]
-                if elide:
-                    per_row = ["E" if i not in kept else a for i, a in enumerate(per_row)]
-                rows[name] = tuple(per_row)
+            plan = self._plan_for_rows(bucket, shared, split)
+        rows_split = None if self.predicted_zero or not split else \
+            prediction.split_here(self, batch, expected)
+        if rows_split is not None and bucket.gc_faster:  # NOTE [ Never slower than GC ]
+            plan = Plan.all_r(plan.actions, plan.headroom_bytes)
+        elide = bool(expected) and shared and self.row_values[0] == 0 and rows_split is None \
+            and (mode is True or not any(expected))  # this rank's prediction
+        kept = rows_split.kept if rows_split is not None else \
+            [i for i in range(batch) if not (elide and expected[i] == 0)]
+        actions, rows = prediction.unit_rows(plan, kept if rows_split is not None else
+                                             list(range(batch)), expected, elide, kept)
         if exact:  # NOTE [ The exact gradient from training ] in calibrate.py
             for name in [n for n, a in actions.items() if a == "L" or "L" in rows.get(n, ())]:
                 actions[name] = "R"
@@ -391,70 +395,14 @@ class Scheduler:
         if expected:  # stats: how many microbatches were planned from a prediction
             stats = self.step_stats
             stats["predicted_microbatches"] = stats.get("predicted_microbatches", 0) + 1
+        self.runtime._split_next = rows_split
         self.runtime.apply_plan(actions, rows)
         if self.predicted_zero:  # the same on every rank (a re-solved plan all R may not be;
             return "nothing"  # a bucket's plan all R is never checked: awaits_check)
         return "whole" if plan is bucket.plan and len(kept) == batch and not exact else "part"
 
-    def _plan_for_rows(self, bucket: Bucket, shared: bool) -> Plan:
-        """NOTE [ Freed memory is spent ]
-        A microbatch whose prediction elides sequences keeps only the others' bytes, and one
-        predicted less exposed than the step's mean microbatch carries less risk: the bucket's
-        knapsack is re-solved for it (pure, cached per (rows kept, risk factor)), with each
-        per-sequence unit's bytes and codec times scaled to the rows kept and each risk by
-        rho = P_m / (P_step / N) (NOTE [ Risk in step units ] in risk.py; 1 without a step
-        prediction), rounded up to a power of 2^(1/8) (at most 9 % more risk than predicted,
-        never less): a handful of factors, so a handful of solves (tens of ms each on a CPU),
-        where rounding to 0.01 solved again for nearly every microbatch. Not solved at all
-        when every row is kept, rho >= 1 and the bucket's plan still fits the risk budget
-        scaled by rho: the feasible set only shrank, so the bucket's plan is still the best.
-        Units kept whole (not per sequence) and fast-forward tensors keep their full price,
-        so the plan stays within the bucket's headroom. The same on every rank: the worst
-        case over ranks (most rows kept, largest rho) is planned for.
-
-        NOTE [ A microbatch predicted zero ]
-        When no sequence of any rank is kept (all predicted 0), the plan is all R instead of
-        all E. Neither keeps more than the layers' inputs, but E still runs every kept unit's
-        capture in the forward (token norms, storage records, derived-tensor checks) and the
-        backward decodes a stand-in per storage and re-derives its pointwise tensors from
-        them; R captures nothing, and once ω shows every sequence of every rank zero its
-        backward skips the recompute and reads stand-ins (NOTE [ Exact zeros ] in
-        runtime/storage.py). Measured on ``hilore bench --model paper-cpu`` steps (one profile
-        for every method, two torch threads, idle CPU, 40 paired rounds): the step x1.090
-        faster than with E (95 % CI 1.044-1.154), which had left it behind the exposure-blind
-        allocator (x0.950), although that one packs the microbatch's units before ω shows them
-        zero; now ahead of it (x1.036, 1.015-1.070).
-        Only while the skip is known to happen -- the last microbatch's ω came from the loss
-        (the analytic source; a hidden-gradient one never skips a recompute), on every rank;
-        else E stays, checked after the forward as before. A wrong prediction costs time
-        only: R recomputes."""
-        batch = bucket.key[0]
-        # ``row_values`` as agreed with the bucket (``_bucket_key``); ``shared``: the bucket
-        # lets a prediction elide (the same on every rank)
-        missing, kept, rho, unskipped = self.rows_agreed if shared else (1.0, float(batch), 1.0, 1.0)
-        if not missing and kept == 0 and not unskipped:  # NOTE [ A microbatch predicted zero ]
-            self.predicted_zero = True
-            return Plan.all_r(bucket.plan.actions, bucket.plan.headroom_bytes)
-        if missing or bucket.plan.headroom_bytes <= 0 or (
-                kept >= batch and rho >= 1.0 and bucket.plan.risk * rho <= self._risk_budget()):
-            return bucket.plan
-        key = (id(bucket.plan), int(kept), rho)  # the value holds the plan: its id stays unique
-        if key not in self.row_plans:
-            if len(self.row_plans) > 64:
-                self.row_plans.clear()
-            profile = kept_rows(bucket.profile, int(kept), batch)
-            # unchecked: within the headroom less any credit (NOTE [ Headroom a checked plan
-            # left ] in checks.py); the bucket's own plan, checked, where it fits and is better
-            plan = allocate(profile, self.risk.scaled(rho),
-                            bucket.plan.headroom_bytes - bucket.headroom_credit, self._risk_budget(),
-                            self.runtime._codec is not None, excluded=frozenset(bucket.excluded),
-                            byte_scale=bucket.byte_scale,  # NOTE [ Priced for the bucket's longest ]
-                            rooms=priced_rooms(bucket))
-            if kept >= batch and bucket.plan.risk * rho <= self._risk_budget() and \
-                    bucket.plan.utility_s > plan.utility_s:
-                plan = bucket.plan
-            self.row_plans[key] = (bucket.plan, plan)
-        return self.row_plans[key][1]
+    def _plan_for_rows(self, bucket: Bucket, shared: bool, split: bool = False) -> Plan:
+        return prediction.plan_for_rows(self, bucket, shared, split)
 
     def _start_loo(self, bucket: Bucket) -> None:
         layers = sorted({c.layer for c in bucket.profile.units if bucket.plan.actions[c.name] != "R"})
@@ -498,7 +446,7 @@ class Scheduler:
         keeps nothing (with no prediction whose zeros it could elide): the bucket runs as
         gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank."""
         plan = bucket.plan
-        return plan is not None and (bucket.gc_faster or (
+        return plan is not None and not prediction.splits(self) and (bucket.gc_faster or (
             self.expected is None and not any(a != "R" for a in plan.actions.values())))
 
     def _timed(self) -> list:
@@ -554,26 +502,6 @@ class Scheduler:
         return self.config.grad_error_tolerance * self.tighten
 
     # ------------------------------------------------------------------ ranks
-    def _row_values(self) -> list[float]:
-        """[missing, kept, rho, unskipped] of this rank's prediction for the microbatch beginning
-        (NOTE [ Freed memory is spent ]): no prediction that could elide here (missing 1), else
-        its sequences predicted non-zero, its risk factor rho and whether a zero microbatch's
-        recompute is not known to be skipped. Agreed over ranks with the bucket: one all-reduce
-        before the forward, whatever it plans."""
-        expected, rows = self.expected, self.rows_here
-        mode = self.runtime.elision_mode(self._device())  # NOTE [ Stand-ins on accelerators ]
-        if not expected or len(expected) != rows or self.config.exposure_source == "hidden_grad" \
-                or not (mode is True or (mode == "whole" and not any(expected))):
-            self.row_values = [1.0, float(rows), 1.0, 1.0]
-            return self.row_values
-        kept, rho = float(sum(1 for x in expected if x != 0)), 1.0
-        step = self.expected_step  # NOTE [ The tolerance of a step, shared by ... ] in risk.py
-        count = self.expected_exposed or self.step_exposure.previous_count
-        if step and count and sum(expected) > 0:
-            rho = 2.0 ** (math.ceil(8 * math.log2(sum(expected) / (step / count)) - 1e-9) / 8)
-        self.row_values = [0.0, kept, rho, 0.0 if self.zero_skips else 1.0]
-        return self.row_values
-
     def _bucket_key(self, batch: int, length: int,
                     rows: list[float]) -> tuple[tuple[int, int], int]:
         """NOTE [ Uneven batches ]

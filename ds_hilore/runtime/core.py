@@ -11,7 +11,6 @@ finds a model's runtime and routes the losses' ω, packed.py finds packed sequen
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import weakref
 from typing import Any, Mapping
@@ -22,27 +21,26 @@ import torch.nn as nn
 from ds_hilore._errors import HiLoReError
 from ds_hilore.config import HiLoReConfig
 from ds_hilore.grpo import exposure
-from ds_hilore.runtime import packed, report
+from ds_hilore.runtime import report
 from ds_hilore.runtime.bundle import LayerFrame
-from ds_hilore.runtime.calls import drop_cache, hidden_input
+from ds_hilore.runtime.calling import LayerCalls
 from ds_hilore.runtime.codecs import codec_from_config
 from ds_hilore.runtime.collective import collective_for_attach
-from ds_hilore.runtime.elision import Elision, gradient_entry
+from ds_hilore.runtime.elision import Elision
 from ds_hilore.runtime.install import (Installation, checkpointing_on, reduces_in_hooks,
                                        refuse_unsupported_wrappers)
 from ds_hilore.runtime.microbatch import Microbatch
 from ds_hilore.runtime.plans import ACTIONS, Plans
 from ds_hilore.runtime.registry import ATTACHED as _ATTACHED  # noqa: F401 (importable here)
 from ds_hilore.runtime.registry import find_runtime, first_reached, sharing
-from ds_hilore.runtime.units import LayerUnits, Unit, find_layers, outside_compile
+from ds_hilore.runtime.units import LayerUnits, Unit, find_layers
+from ds_hilore.runtime.unpredicted import ZeroSeen
 from ds_hilore.runtime.weights import WeightRecognizer
-from ds_hilore.runtime.zero_backward import gate
 
 __all__ = ["ACTIONS", "HiLoReRuntime", "attach", "find_runtime"]
 
 logger = logging.getLogger("ds_hilore")
 
-_MAX_MICROBATCHES_KEPT = 64
 _UNPLANNED_WARNING_MICROBATCHES = 32  # training microbatches without any plan before it is said
 
 
@@ -63,7 +61,7 @@ def attach(model: nn.Module, config: HiLoReConfig | Mapping | str | None = None)
                          else HiLoReConfig())
 
 
-class HiLoReRuntime(Installation, Plans):
+class HiLoReRuntime(Installation, Plans, LayerCalls):
     """HiLoRe attached to one model. See ``attach``."""
 
     def __init__(self, model: nn.Module, config: HiLoReConfig):
@@ -73,6 +71,13 @@ class HiLoReRuntime(Installation, Plans):
         # NOTE [ A backward of zeros ] in zero_backward.py: off where gradient hooks reduce every
         # gradient as it is made (ZeRO stages 1-3: engine.py; DDP, FSDP: at attach, below)
         self.zero_backward_skip = True
+        # NOTE [ Kept rows only ] in rows.py: every rank makes the same module calls (ZeRO-3 and
+        # FSDP gather parameters in module hooks; engine.py sets it per ZeRO stage)
+        self.matched_calls = False
+        self._split_next = None  # the rows of the next microbatch, as the policy split them
+        self._expected_next = None  # without a policy: the prediction for the next microbatch
+        self._warned_rows = False
+        self._zero_seen = ZeroSeen()  # NOTE [ Zero sequences found late ] in unpredicted.py
         # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
         # of set_plan / force_plan holds. The runtime calls it at fixed points and never
         # imports it: begin_forward(args, kwargs) before a training forward of the model,
@@ -124,6 +129,7 @@ class HiLoReRuntime(Installation, Plans):
         self.collective = collective_for_attach()  # every rank attaches together
         # NOTE [ A backward of zeros ]: off where hooks may reduce each gradient as it is made
         self.zero_backward_skip = self.collective is None and not reduces_in_hooks(model)
+        self.matched_calls = self.collective is not None  # a wrapper's may gather parameters
         self._install()
         try:  # a failed attach leaves the model as it found it
             self._probe()
@@ -169,7 +175,10 @@ class HiLoReRuntime(Installation, Plans):
     def expect(self, exposure, step_exposure: float | None = None,
                exposed_microbatches: int | None = None) -> None:
         """Predicted exposure of the next microbatch's sequences, before its forward: the plan
-        splits them by it, never stores those predicted 0 and spends the memory they leave.
+        splits them by it, never stores those predicted 0 and spends the memory they leave;
+        the sequences predicted 0 run their layers without autograd, and the layers' recompute
+        and backward cost the others only (NOTE [ Kept rows only ] in rows.py). Under several
+        ranks, call it on every rank before the same forward.
 
         Args:
             exposure: (B,) per sequence, e.g. ``ds_hilore.grpo.exposure.predicted(advantages,
@@ -181,11 +190,14 @@ class HiLoReRuntime(Installation, Plans):
                 microbatches (on every rank) have a non-zero prediction; the step's error
                 tolerance is then shared by them alone (those predicted zero pack nothing).
 
-        Does nothing without the allocator (``set_plan`` / ``force_plan`` decide then).
+        Without the allocator (``set_plan`` / ``force_plan``) only the rows are split.
         """
+        values = exposure.tolist() if isinstance(exposure, torch.Tensor) else exposure
+        self._zero_seen.predicted = self._zero_seen.predicted or values is not None
         if self.policy is not None:
-            values = exposure.tolist() if isinstance(exposure, torch.Tensor) else exposure
             self.policy.expect(values, step_exposure, exposed_microbatches)
+        elif self.config.exposure_source != "hidden_grad":
+            self._expected_next = None if values is None else [float(x) for x in values]
 
     def set_coefficients(self, coefficients: torch.Tensor, offset: int | None = None,
                          logp: torch.Tensor | None = None) -> None:
@@ -208,7 +220,8 @@ class HiLoReRuntime(Installation, Plans):
         if self.config.exposure_source == "hidden_grad":
             return  # the user asked for the automatic source only
         frames = mb.live_frames()
-        _check_coefficients(coefficients, frames[0], offset)
+        _check_coefficients(coefficients, frames[0], offset,
+                            mb.split.batch if mb.split is not None else frames[0].batch)
         mb.coefficients = coefficients.detach()
         self._elision.apply(mb, mb.coefficients, offset, source="analytic")
 
@@ -275,7 +288,7 @@ class HiLoReRuntime(Installation, Plans):
     def check_late(self) -> None:
         """Before an optimizer step, on every rank at the same point: raises on every rank if
         a backward on any rank sent gradient to elided sequences (NOTE [ Collective elision ]
-        in elision.py)."""
+        in agreement.py)."""
         self._elision.flush_late()
 
     def end_step(self, step: int | None = None) -> None:
@@ -283,6 +296,7 @@ class HiLoReRuntime(Installation, Plans):
         previous one's number plus one). Raises if a backward since the last read sent
         gradient to elided sequences (NOTE [ Checked elision ] in elision.py)."""
         self._elision.flush_late()
+        self._zero_seen.end_step(self.collective)
         if self.policy is not None:
             self.policy.end_step()
             self._warn_if_never_planned()
@@ -339,206 +353,6 @@ class HiLoReRuntime(Installation, Plans):
         if self.policy is not None and state.get("policy"):
             self.policy.load_state_dict(state["policy"])
 
-    # NOTE [ Where a microbatch begins ]
-    # The policy plans a microbatch before its first layer runs. A forward of the model itself
-    # reaches the pre-hook on the model (begin_forward with the model's own arguments, which
-    # the matched passes can replay). Trainers also run the decoder layers without calling the
-    # model: the backbone alone (``model.model(...)``, a fused-loss head), a critic's
-    # ``forward_value`` calling the transformer inside it. Those forwards begin at the first
-    # layer's call instead, keyed by its hidden states' (B, T) -- the key the model's
-    # input_ids give for the same batch -- and are not replayed (no matched pass: the
-    # arguments the model would need are not known there).
-    @outside_compile  # NOTE [ Compiled layers ] (units.py)
-    def _begin_forward(self, module, args, kwargs) -> None:
-        if module.training:
-            self._run_when_units_known()
-        if self._plans_forward() and module.training:
-            self._forward_begun = True
-            self.policy.begin_forward(args, kwargs)
-
-    @outside_compile  # NOTE [ Compiled layers ] (units.py)
-    def _end_forward(self, module, args, output) -> None:
-        self._forward_begun = False  # a forward that ran no HiLoRe layer begins nothing later
-        if output is None and self.policy is not None:  # it raised: no backward will come
-            self.policy.forward_failed()
-
-    def _begin_at_layer(self, layer: LayerUnits, args: tuple, function) -> None:
-        """A forward that did not pass through the model's pre-hook: begin it here."""
-        begun, self._forward_begun = self._forward_begun, False
-        if not begun and layer is self._layers[0]:
-            self._run_when_units_known()
-        if not begun and layer is self._layers[0] and self._plans_forward():
-            hidden = hidden_input(args, getattr(function, "keywords", {}))  # (B, T, H)
-            self.policy.begin_forward((hidden,), {}, replayable=False)
-
-    def _plans_forward(self) -> bool:
-        return (self.policy is not None and self.enabled and torch.is_grad_enabled()
-                and not self._probing and all(layer.split is not None for layer in self._layers))
-
-    # ------------------------------------------------------------------ per layer call
-    @outside_compile  # NOTE [ Compiled layers ] (units.py)
-    def _run_layer(self, layer: LayerUnits, function, args: tuple):
-        if not torch.is_grad_enabled():
-            return function(*args)
-        function, args = self._without_cache(layer, function, args)
-        if layer.split is None:
-            return self._discover(layer, function, args)
-        mb = self._microbatch_for(layer, args, function)
-        if self.gc_forward:
-            return self._run_as_gc(layer, mb, function, args)
-        plan = self._capture_plan(layer)
-        if self._checkpointed(layer, plan, mb):
-            return self._run_checkpointed(layer, mb, function, args)
-        frame = LayerFrame(layer, function, args, plan, mb)
-        if mb.packed is not False:  # one-row inputs only: position_ids are (1, T) for any batch
-            mb.packed = frame.batch == 1 and self._packed_sequences(mb, frame, function)
-        mb.frames[layer.index] = weakref.ref(frame)
-        mb.last_layer = layer.index
-        out = frame.run()
-        frame.elision_ok, frame.check_every_layer = gradient_entry(out)
-        last = layer.index == self._last_active
-        hidden = out if isinstance(out, torch.Tensor) else next(
-            (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
-        if hidden is not None and hidden.requires_grad:
-            if last and self.zero_backward_skip:  # NOTE [ A backward of zeros ] in zero_backward.py
-                gated = gate(hidden, mb)
-                out = _replaced(out, hidden, gated)
-                hidden, mb.gated = gated, True
-            hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, weakref.ref(frame), last))
-            if last:
-                mb.last_hidden_fn = id(hidden.grad_fn)
-        if last:
-            mb.batch, mb.seq_len = frame.batch, frame.seq_len
-            self._summarise(mb)
-        return out
-
-    # NOTE [ A layer that keeps nothing ]
-    # A layer whose every unit is R keeps nothing but its input, as gradient checkpointing
-    # does: its frame (a pack hook on every saved tensor, slot and weight bookkeeping, the
-    # recompute's replay) would only cost host time. It runs under ``torch.utils.checkpoint``
-    # (non-reentrant, RNG preserved, stopping early as HiLoRe's own re-run does: the same
-    # gradients, bitwise), with the elision's hook on its output as any layer (a forward that
-    # stops below the last layer is still seen). Not the last HiLoRe layer, whose frame carries
-    # the microbatch's checks at the top of the backward (the coefficients, the leak check, a
-    # skipped backward of zeros, which then never reaches the checkpointed layers); not on a
-    # profiled microbatch (every unit measured), one whose units' token norms are wanted, nor
-    # one predicted zero (NOTE [ A microbatch predicted zero ] in plan/scheduler.py: its frames
-    # skip their recompute where no gate skips the backward). The same on every rank: the plan
-    # and the prediction's verdict are. A microbatch found zero only after its forward, under
-    # ZeRO 1-3 (no gate), recomputes such a layer where a frame would have read stand-ins.
-    def _checkpointed(self, layer: LayerUnits, plan, mb: Microbatch) -> bool:
-        return layer.index != self._last_active and mb.profile is None and not mb.norms_all \
-            and all(a == "R" for a in plan.actions) \
-            and not getattr(self.policy, "predicted_zero", False)
-
-    def _run_checkpointed(self, layer: LayerUnits, mb: Microbatch, function, args: tuple):
-        mb.checkpointed.add(layer.index)
-        mb.last_layer = layer.index
-        out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-        hidden = out if isinstance(out, torch.Tensor) else next(
-            (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
-        if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(functools.partial(self._checkpointed_grad, mb, len(layer.units)))
-        return out
-
-    def _checkpointed_grad(self, mb: Microbatch, units: int, grad: torch.Tensor | None) -> None:
-        """The gradient reached a checkpointed layer's output: its backward, recompute
-        included, runs next (a skipped backward of zeros never gets here)."""
-        if grad is not None:  # None: a skipped backward of zeros passes by, recomputing nothing
-            mb.counters.recomputed_units += units
-        self._elision.on_layer_grad(mb, _NO_FRAME, False, grad)
-
-    def _run_as_gc(self, layer: LayerUnits, mb: Microbatch, function, args: tuple):
-        """The layer as gradient checkpointing runs it (``torch.utils.checkpoint``,
-        non-reentrant): nothing captured, nothing elided; the policy still sees the gradient at
-        the last layer's output (a leave-one-out timing ends with the backward)."""
-        mb.as_gc, mb.last_layer = True, layer.index
-        out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-        if layer.index != self._last_active:
-            return out
-        hidden = out if isinstance(out, torch.Tensor) else next(
-            (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None)
-        if hidden is not None and hidden.requires_grad:
-            mb.last_hidden_fn = id(hidden.grad_fn)
-            if self.policy is not None:
-                hidden.register_hook(functools.partial(self._gc_top_grad, mb))
-        for unit in self._units:  # the units report the latest microbatch
-            unit.action, unit.nbytes = "R", 0
-        mb.summary.update(index=mb.index, actions={"H": 0, "L": 0, "R": len(self._units), "E": 0},
-                          bytes={a: 0 for a in "HLRE"}, counters=mb.counters, as_gc=True)
-        return out
-
-    def _gc_top_grad(self, mb: Microbatch, grad: torch.Tensor) -> None:
-        self.policy.top_grad(mb, grad)
-
-    def elision_mode(self, device: torch.device) -> bool | str:
-        """``elide_zero_rows`` as it applies on ``device``, "auto" resolved (NOTE [ Stand-ins on
-        accelerators ] in elision.py): true elides every sequence whose loss coefficients are
-        all zero, ``"whole"`` only a microbatch whose every sequence is, and whose layers'
-        backward is then skipped, false nothing."""
-        setting = self.config.elide_zero_rows
-        if setting != "auto":
-            return setting
-        if device.type == "cpu":
-            return True
-        if not self._warned_elision:
-            self._warned_elision = True
-            logger.info("ds_hilore: on %s only microbatches whose every sequence has zero loss "
-                        "coefficients are elided, their layers' backward skipped (elide_zero_rows "
-                        "\"auto\"; true elides every such sequence there)", device.type)
-        return "whole"
-
-    def _without_cache(self, layer: LayerUnits, function, args: tuple):
-        function, args, dropped = drop_cache(layer.module, function, args)
-        if dropped and not self._warned_cache:
-            logger.warning("ds_hilore: the KV cache passed to %s is dropped while HiLoRe is on "
-                           "(a recompute would read what the forward wrote); pass use_cache=False "
-                           "to the training forward to silence this.", type(layer.module).__name__)
-            self._warned_cache = True
-        return function, args
-
-    def _packed_sequences(self, mb: Microbatch, frame: LayerFrame, function) -> bool:
-        """NOTE [ Packed sequences ] in packed.py; said once per runtime."""
-        found = packed.packed_sequences(mb, frame, function)
-        if found and not self._warned_packed:
-            logger.warning("ds_hilore: packed sequences (one row, restarting position_ids): "
-                           "slices, exposure and elision act per packed sequence (segment). "
-                           "A segment with zero loss coefficients is elided only where the "
-                           "attention mask keeps segments apart, or when no later segment "
-                           "has coefficients (exact either way).")
-            self._warned_packed = True
-        return found
-
-    def _microbatch_for(self, layer: LayerUnits, args: tuple, function) -> Microbatch:
-        """A layer index not above the previous one starts a new forward: a new microbatch."""
-        if self._mb is None or layer.index <= self._mb.last_layer:
-            self._begin_at_layer(layer, args, function)
-            self._mb = Microbatch(self._n_microbatches, self)
-            self._mb.summary["position"] = self._n_microbatches - self._step_first  # in the step
-            self._live_mbs.add(self._mb)
-            self._n_microbatches += 1
-            self._step.append(self._mb.summary)
-            if len(self._step) > _MAX_MICROBATCHES_KEPT:
-                del self._step[0]
-            if self.policy is not None and not self._probing:
-                self.policy.begin_microbatch(self._mb)
-        return self._mb
-
-    def _summarise(self, mb: Microbatch) -> None:
-        report.summarise(self._layers, mb)
-
-
-def _NO_FRAME():  # noqa: N802 -- a dead weak reference: a checkpointed layer has no frame
-    return None
-
-
-def _replaced(out, old: torch.Tensor, new: torch.Tensor):
-    """``out`` (a layer's output: a tensor, or a tuple / list holding it) with ``old`` as ``new``."""
-    if out is old:
-        return new
-    return type(out)(new if x is old else x for x in out)
-
-
 def _refuse_a_second_runtime(model: nn.Module) -> None:
     """One runtime per model: a second one on the same layers would capture each call twice,
     and the losses' coefficients would go to whichever the registry met first."""
@@ -551,15 +365,18 @@ def _refuse_a_second_runtime(model: nn.Module) -> None:
             "an engine of ds_hilore.initialize), or reuse it.")
 
 
-def _check_coefficients(coefficients: torch.Tensor, frame: LayerFrame, offset: int | None) -> None:
-    if coefficients.shape[0] != frame.batch and frame.segments is not None:
+def _check_coefficients(coefficients: torch.Tensor, frame: LayerFrame, offset: int | None,
+                        batch: int) -> None:
+    """``batch``: the forward's sequences (a frame of kept rows holds fewer: NOTE [ Kept rows
+    only ] in rows.py)."""
+    if coefficients.shape[0] != batch and frame.segments is not None:
         raise HiLoReError(f"{coefficients.shape[0]} rows of coefficients for a forward of one "
                           f"packed row ({len(frame.segments)} sequences, {frame.seq_len} tokens): "
                           "hand them as that row, (1, T'), each sequence's at its tokens (e.g. "
                           "compute the loss on the packed row's log-probs), or set "
                           "hilore.exposure_source to 'hidden_grad' to read them from the gradient.")
-    if coefficients.shape[0] != frame.batch:
+    if coefficients.shape[0] != batch:
         raise HiLoReError(f"{coefficients.shape[0]} sequences of coefficients, but the microbatch's "
-                          f"forward had {frame.batch}; pass those of the same microbatch (one row "
+                          f"forward had {batch}; pass those of the same microbatch (one row "
                           "per sequence).")
     exposure.align(coefficients[:0], frame.seq_len, offset)  # raises if ω does not fit

@@ -32,24 +32,31 @@ but a run that raises is no product. A microbatch whose layers' backward is skip
 backward of zeros ]) runs no kernel at all, so ``elide_zero_rows`` has three settings: true
 elides every zero sequence, "whole" elides only a microbatch whose every sequence is
 zero and only when its layers' backward will be skipped (``_may_skip``: the loss's own ω, a
-backward not measured, no ZeRO partitioning hooks), and false nothing. "auto" is true where
-stand-ins are shown exact (CPU) and "whole" on accelerators: the A = 0 microbatches of GRPO,
-planned all R from the prediction, still cost no backward there. Should the skip not happen
-after all, ``_no_stand_ins`` sends every frame holding elided sequences to R before any layer's
-backward reads one. The scheduler elides at capture only what "whole" allows: a microbatch
-predicted zero in every sequence, planned all R, and only where the skip can happen (under
-ZeRO 1-3 it runs the bucket's plan: its backward runs anyway, and R would recompute it all;
-a microbatch that leave-one-out times runs the variant it times).
+backward not measured, not ZeRO-3), and false nothing. "auto" is true where stand-ins are
+shown exact (CPU) and "whole" on accelerators: the A = 0 microbatches of GRPO, planned all R
+from the prediction, still cost no backward there. Should the skip not happen after all,
+``_no_stand_ins`` sends every frame holding elided sequences to R before any layer's backward
+reads one. Sequences a prediction says are zero are not elided at capture in either setting:
+they run their layers without autograd, and no backward ever meets them (NOTE [ Kept rows
+only ] in rows.py); where their rows cannot be run apart (a layer that draws random
+numbers), the scheduler elides at capture only what the setting allows -- under "whole" a
+microbatch predicted zero in every sequence, planned all R, and only where the skip can
+happen (under ZeRO-3 it runs the bucket's plan: its backward runs anyway, and R would
+recompute it all; a microbatch that leave-one-out times runs the variant it times).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ds_hilore.grpo import exposure
+from ds_hilore.runtime import rows
+from ds_hilore.runtime.agreement import (Flags, agree, elidable_rows, recompute_named,
+                                         unverified_rows_to_r)
 from ds_hilore.runtime.late import LateFlags, late_error
 from ds_hilore.runtime.reads import read_once
 
@@ -74,6 +81,10 @@ class Elision:
         frames = mb.live_frames()
         if not frames:
             return
+        split = mb.split if source == "analytic" else None  # NOTE [ Kept rows only ] in rows.py
+        disproof = None  # |ω| on the rows predicted zero (run without autograd)
+        if split is not None:
+            coefficients, disproof = rows.kept_view(coefficients, split)
         abs_omega = exposure.align(coefficients, frames[0].seq_len, offset)  # (B, T)
         again = source == "analytic" and mb.source == "analytic"
         if again:  # NOTE [ Coefficients handed twice ]
@@ -88,9 +99,12 @@ class Elision:
         unit_exposure = _unit_exposure(frames, abs_omega, coefficients.shape[1], offset, segments) \
             if policy is None or policy.wants_exposure(mb) else {}
         checks, held = mb.take_checks()
-        read = read_once([mass, held, self.late.take(), *unit_exposure.values()])  # the one read
-        mass_read, held, late = read[:3]
+        read = read_once([mass, held, self.late.take(), disproof,
+                          *unit_exposure.values()])  # the one read
+        mass_read, held, late, disproved = read[:4]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
+        if not again:  # NOTE [ Zero sequences found late ] in unpredicted.py
+            self.runtime._zero_seen.found(every, len(zero))
         mode = self.runtime.elision_mode(frames[0].device)  # NOTE [ Stand-ins on accelerators ]
         if mode is False or (mode == "whole" and not (
                 len(zero) == every and self._may_skip(mb, source))):
@@ -106,30 +120,46 @@ class Elision:
         mb.source, mb.zero_rows, mb.token_weights = source, zero, abs_omega
         kept = {u.name for f in frames for u, a in zip(f.layer.units, f.plan.actions)
                 if a != "R" or mb.norms_all}
-        exposed = {name: values for name, values in zip(unit_exposure, read[3:]) if name in kept}
+        exposed = {name: values for name, values in zip(unit_exposure, read[4:]) if name in kept}
         mb.exposure_read = (mass_read, {name: values for name, values in exposed.items()
                                         if len(values) == len(mass_read)})
         risks = policy.risk_vector(mb) if policy is not None and not again else None
         # NOTE [ Collective elision ]: one all-reduce decides, for every rank, whether all
         # sequences are zero, which units saw a capture-time elision disproved or a check
         # failed, whether an earlier backward leaked, and the risk of every unit (the policy's)
-        all_zero, to_r, failed, leaked, due, risks = _agree(
-            self.runtime, frames, all_zero, lambda frame, every_zero: _verified(
-                frame, every_zero, zero if every_zero or mode != "whole" else [], segments,
-                source),
-            mb.check_failures(checks, held), any(v != 0 for v in late), bool(zero), risks)
-        mb.late_due = mb.late_due or due  # NOTE [ A late read, due on every rank ] (late.py)
-        if leaked:
+        agreed = agree(self.runtime, frames, all_zero, lambda frame, every_zero: elidable_rows(
+            frame, every_zero, zero if every_zero or mode != "whole" else [], segments, source),
+            mb.check_failures(checks, held), Flags(
+                any(v != 0 for v in late), bool(zero), any(v != 0 for v in disproved),
+                mb.split is not None), risks)
+        all_zero, to_r, failed, flags, risks = agreed
+        # NOTE [ A late read, due on every rank ] (late.py); a split's merges leave flags too
+        mb.late_due = mb.late_due or flags.due or flags.split
+        mb.rows_due = mb.rows_due or flags.split
+        if flags.late:
             raise late_error()
-        if mode == "whole" and not all_zero:
-            zero = []  # another rank keeps sequences: no skip, so nothing elided
+        if flags.disproved:
+            raise rows.disproved_error()
+        skip, skip_any = self._skip_here(all_zero, source)  # NOTE [ A backward of zeros ]
+        if mode == "whole" and not skip:
+            zero = []  # this rank keeps sequences, or another's forbid a skip: nothing elided
         mb.fall_back(checks, failed)
         for frame in frames:
-            self._elide(frame, to_r, all_zero, source, zero, segments, keep)
+            self._elide(frame, to_r, skip, skip_any, source, zero, segments, keep)
         mb.exposure.update({name: unit_exposure[name] for name in exposed})
         if policy is not None and not again:  # the allocator spends the risk budget
             policy.after_coefficients(mb, risks)
         self.runtime._summarise(mb)
+
+    def _skip_here(self, all_zero: tuple[bool, bool, bool], source: str) -> tuple[bool, bool]:
+        """(whether this rank's frames stand in for their recompute and may skip their
+        backward, whether some rank's do: the same on every rank). Every sequence zero here
+        where each rank's backward is its own (ZeRO 0-2), on every rank where module calls
+        must match (NOTE [ A backward of zeros ] in zero_backward.py)."""
+        every, some, here = all_zero
+        if source != "analytic":
+            return False, False
+        return (every, every) if self.runtime.matched_calls else (here, some)
 
     # NOTE [ Coefficients handed twice ]
     # Two losses computed from one forward's log-probs (a second ``policy_loss`` for a metric, or
@@ -137,7 +167,7 @@ class Elision:
     # the second cannot simply replace it: the two are summed as |ω| (a sequence stays elided
     # only where both are zero, and never again where either is not), the sequences the first
     # dropped that the sum does not show zero are recomputed (``frame.rows_dropped``, read with
-    # the capture-time elisions by ``_unverified``: one collective decision), and the skip of an
+    # the capture-time elisions by ``_unverified`` in agreement.py: one collective decision), and the skip of an
     # all-zero microbatch holds only if both are zero. The allocator's risk fit keeps the
     # first's decision (it counted that microbatch once in the step). Said once.
     def _say_twice(self) -> None:
@@ -149,18 +179,19 @@ class Elision:
                            "computed only for a metric hands none under torch.no_grad().")
 
     @staticmethod
-    def _elide(frame, to_r: set[str], all_zero: bool, source: str, zero: list[int], segments,
-               keep: bool) -> None:
-        """One frame after the ranks agreed: its disproved units to R, its zero sequences E."""
-        frame.skip_zero_recompute = all_zero and source == "analytic"
+    def _elide(frame, to_r: set[str], skip: bool, skip_any: bool, source: str, zero: list[int],
+               segments, keep: bool) -> None:
+        """One frame after the ranks agreed: its disproved units to R, its zero sequences E.
+        ``skip``: every sequence zero here (``_skip_here``); ``skip_any``: so on some rank."""
+        frame.skip_zero_recompute = skip
         # the same on every rank (plans are synced): whether the backward checks, and so
         # whether it takes part in the collective decision there
         frame.elision_checked = frame.elision_ok and (
-            frame.skip_zero_recompute or any(a != "R" for a in frame.plan.actions))
-        _to_r(frame, to_r)
+            skip_any or any(a != "R" for a in frame.plan.actions))
+        recompute_named(frame, to_r)
         if frame.segments != segments:  # a call without the microbatch's segments
-            frame.elision_checked = frame.elision_checked and all_zero and frame.sequences == 1
-            frame.elided_rows = {0} if frame.elision_checked else set()
+            frame.elision_checked = frame.elision_checked and skip_any and frame.sequences == 1
+            frame.elided_rows = {0} if frame.elision_checked and skip else set()
             rows_zero = sorted(frame.elided_rows)
         else:
             # checked as elided even when kept in place: rows elided at capture (``expect``)
@@ -189,7 +220,7 @@ class Elision:
         if last:
             self._on_hidden_grad(mb, grad)
             if mb.source is None:  # no coefficients came: nothing proves the capture's elisions
-                unverified_rows_to_r(self.runtime, mb.live_frames(), lambda frame: set())
+                unverified_rows_to_r(self.runtime, mb.live_frames(), lambda frame: set(), mb)
             self._check_at_top(mb, grad)
             mb.skip_layers_backward = self._skips_layers(mb)
             if not mb.skip_layers_backward:
@@ -216,6 +247,8 @@ class Elision:
     def _check_at_top(self, mb, grad: torch.Tensor) -> None:
         frames = [f for f in mb.live_frames() if f.elision_checked]
         if not frames or grad.dim() < 2:
+            if mb.rows_due:  # a split's merges leave flags (NOTE [ Kept rows only ] in rows.py)
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.late.defer(mb))
             return
         rows = sorted(set().union(*(f.elided_rows for f in frames)))
         packed = next((f for f in frames if f.segments is not None), frames[0])
@@ -345,97 +378,6 @@ def _at(grad: torch.Tensor, frame, rows: list[int]) -> torch.Tensor:
         return grad
     tokens = [t for i in rows for t in range(*frame.segments[i])]
     return grad[:, tokens]
-
-
-def unverified_rows_to_r(runtime, frames, zero_of) -> None:
-    """Sequences a plan elided at capture (predicted to have zero coefficients) that do not:
-    their units are recomputed instead (exact: the layer's inputs are kept). ``zero_of(frame)``
-    is the set of the frame's sequences shown to be zero. A collective under several ranks
-    (NOTE [ Collective elision ]): every rank calls it at the same point."""
-    flags = _unverified(runtime, frames, zero_of)
-    if runtime.collective is not None:
-        flags = runtime.collective.all_reduce_max(flags)
-    names = _flagged(runtime, flags)
-    for frame in frames:
-        _to_r(frame, names)
-
-
-# NOTE [ Collective elision ]
-# What a plan elides at capture comes from this rank's prediction and what ω turns out to be
-# from this rank's data, so the units whose elision is disproved differ between ranks. Under
-# ZeRO-3 a recompute gathers the layer's parameters, and a unit recomputed on one rank only
-# issues gathers the others never match (gloo: "collective mismatch"; NCCL: a hang, or shards
-# of same-shaped weights paired wrongly). So the sets are OR-ed over ranks -- a fixed-length
-# flag vector, one entry per unit of the model, all-reduced by max -- before any unit is sent
-# to R, and every rank recomputes the union. Recomputing a unit whose elision held on this
-# rank is exact (its inputs are always kept), only slower. The same all-reduce carries
-# whether every sequence of every rank is zero; both candidate flag sets ride along (the
-# frames called without the microbatch's segments elide depending on that answer), and so
-# do the unit flags of the forward's failed checks (NOTE [ Collective fallback ] in
-# microbatch.py), the late flag of earlier backwards (an error on every rank at once) and
-# whether this microbatch leaves one (NOTE [ A late read, due on every rank ] in late.py),
-# all read in the same read (NOTE [ Two reads per microbatch ] in reads.py): one all-reduce at
-# the coefficients decides everything there. The flags of the accumulation's last backward are
-# read before the optimizer step, by the engine on every rank (``check_late``), one more
-# all-reduce in a step that left some; the optimizer's pre-hook and ``end_step`` then find
-# nothing left. A rank that raised alone would leave the others stepping on the reduced,
-# wrong gradients and then waiting at their next collective.
-def _agree(runtime, frames, all_zero: bool, verified, failed: list[int], late: bool,
-           due: bool, risks: list[float] | None):
-    """(every rank's sequences all zero, names of the units to recompute on every rank, unit
-    flags of a failed check on any rank, a late leak on any rank, sequences found zero on any
-    rank: a late read due, NOTE [ A late read, due on every rank ]; the policy's ``risks``, the
-    max over ranks, or None). One all-reduce (float64: the flags are exact in it)."""
-    if_all = _unverified(runtime, frames, lambda f: verified(f, True))
-    if_not = _unverified(runtime, frames, lambda f: verified(f, False))
-    if runtime.collective is not None:
-        n, extra = len(if_all), list(risks or [])
-        agreed = runtime.collective.all_reduce_max_float(
-            [0 if all_zero else 1, *if_all, *if_not, *failed, int(late), int(due), *extra])
-        flags, agreed = [int(x) for x in agreed[:len(agreed) - len(extra)]], agreed[len(agreed) - len(extra):]
-        all_zero, late, due = flags[0] == 0, flags[-2] > 0, flags[-1] > 0
-        if_all, if_not, failed = flags[1:1 + n], flags[1 + n:1 + 2 * n], flags[1 + 2 * n:-2]
-        risks = agreed if risks is not None else None
-    return all_zero, _flagged(runtime, if_all if all_zero else if_not), failed, late, due, risks
-
-
-def _verified(frame, every_zero: bool, zero: list[int], segments, source: str) -> set[int]:
-    """The sequences ``frame`` may elide: the zero ones of the microbatch; for a call without
-    the microbatch's segments, its one row when every sequence (of every rank) is zero."""
-    if frame.segments == segments:
-        return set(zero) if frame.elision_ok else set()
-    checked = frame.elision_ok and every_zero and frame.sequences == 1 and (
-        source == "analytic" or any(a != "R" for a in frame.plan.actions))
-    return {0} if checked else set()
-
-
-def _unverified(runtime, frames, zero_of) -> list[int]:
-    """One flag per unit of the model (unit order): a frame elided a sequence ``zero_of(frame)``
-    does not contain, at capture or at an earlier hand-off of coefficients (NOTE
-    [ Coefficients handed twice ])."""
-    index = {unit.name: k for k, unit in enumerate(runtime.units)}
-    flags = [0] * len(index)
-    for frame in frames:
-        zero = zero_of(frame)
-        dropped = bool(frame.rows_dropped - zero)
-        for pos, rows in enumerate(frame.plan.rows):
-            if frame.plan.actions[pos] == "R":
-                continue
-            if dropped or (rows is not None and any(a == "E" and i not in zero
-                                                    for i, a in enumerate(rows))):
-                flags[index[frame.layer.units[pos].name]] = 1
-    return flags
-
-
-def _flagged(runtime, flags: list[int]) -> set[str]:
-    return {unit.name for unit, flag in zip(runtime.units, flags) if flag}
-
-
-def _to_r(frame, names: set[str]) -> None:
-    """Recompute the frame's units named in ``names``."""
-    for pos, unit in enumerate(frame.layer.units):
-        if unit.name in names and frame.plan.actions[pos] != "R":
-            frame.downgrade(pos, "R")
 
 
 def gradient_entry(out) -> tuple[bool, bool]:

@@ -66,6 +66,9 @@ class Microbatch:
         self.unit_risks: dict[str, float] = {}  # the policy's risk of its units (the risk fit)
         self.as_gc = False  # it ran as gradient checkpointing (NOTE [ Never slower than GC ])
         self.checkpointed: set[int] = set()  # layers run without a frame (NOTE [ A layer that keeps nothing ])
+        self.split = None  # its rows kept and run without autograd (NOTE [ Kept rows only ] in rows.py)
+        self.rows_refused = False  # planned for its kept rows, run whole and all R instead
+        self.rows_due = False  # some rank split its rows: their merges leave late flags (agreed)
 
     def frame(self, layer_index: int) -> LayerFrame | None:
         ref = self.frames.get(layer_index)
@@ -93,7 +96,7 @@ class Microbatch:
     # data: a packed run of its sequences was not finite, a tensor that looked like a weight
     # cast is not one. Under ZeRO-3 a recompute gathers the layer's parameters, so a unit sent
     # to R on one rank only would issue gathers the other ranks never match (NOTE [ Collective
-    # elision ] in elision.py). So the failures become one flag per unit of the model (unit
+    # elision ] in agreement.py). So the failures become one flag per unit of the model (unit
     # order), OR-ed over ranks by an all-reduce of max, and every rank recomputes the union;
     # recomputing a unit whose checks held here is exact, only slower. The checks are read
     # with the coefficients (NOTE [ Two reads per microbatch ] in reads.py), their flags riding

@@ -12,7 +12,7 @@ all-reduce):
   ``Microbatch.exposure_lists``), the forward's deferred checks (NOTE [ One read per
   microbatch ] in storage.py) and the late flags left by earlier backwards (below). One
   all-reduce then agrees on the elision, the failed checks and the late flags (NOTE
-  [ Collective elision ] in elision.py).
+  [ Collective elision ] in agreement.py).
 * the top of the backward (``Microbatch.settle``): the leak check at the last layer's output
   (NOTE [ Checked elision ] in elision.py) with any check deferred since the coefficients; one
   all-reduce (NOTE [ One sync at the top of the backward ] in microbatch.py). Without elided

@@ -30,8 +30,11 @@ def summarise(layers, mb) -> None:
             actions[action] += 1
             for k, v in held.items():
                 nbytes[k] += v
+    split = mb.split  # NOTE [ Kept rows only ] in rows.py: its zero rows were never kept
     mb.summary.update(index=mb.index, actions=actions, bytes=nbytes, counters=mb.counters,
-                      exposure_source=mb.source, exact_zero_sequences=len(mb.zero_rows))
+                      exposure_source=mb.source,
+                      exact_zero_sequences=len(mb.zero_rows) + (len(split.zero) if split else 0),
+                      kept_rows=None if split is None else list(split.kept))
 
 
 def step_stats(summaries: list[dict], policy) -> dict[str, Any]:
@@ -61,6 +64,9 @@ def _microbatch_stats(summary: dict) -> dict[str, Any]:
             "nonfinite_slices": c.nonfinite_slices, "_packed_stats": list(c.packed_stats),
             "exposure_source": summary.get("exposure_source"),
             "exact_zero_sequences": summary.get("exact_zero_sequences", 0),
+            # the rows run with autograd where a prediction split them, else None (NOTE
+            # [ Kept rows only ] in rows.py)
+            "kept_rows": summary.get("kept_rows"),
             # 1 when its layers' backward was skipped (NOTE [ A backward of zeros ] in
             # zero_backward.py)
             "backward_skipped": int(summary.get("backward_skipped", False))}

@@ -125,6 +125,9 @@ class LayerUnits:
     units: list[Unit] = field(default_factory=list)
     split: Split | None = None
     names: dict[str, int] | None = None  # child name -> unit position, from the override
+    # called by rows alike (no random draws, outputs put back by rows): known from its first
+    # call through a frame (NOTE [ Kept rows only ] in rows.py)
+    row_safe: bool | None = None
 
     @property
     def signature(self) -> tuple:

@@ -1,6 +1,6 @@
 """Worker for tests/test_rank_agreement.py: decisions about elided sequences that one rank's data
 would take alone, under a real DeepSpeed engine on 2 CPU ranks (NOTE [ Collective elision ] in
-ds_hilore/runtime/elision.py). Run by tests.launch.run_distributed; each ``--case``:
+ds_hilore/runtime/agreement.py). Run by tests.launch.run_distributed; each ``--case``:
 
 * ``late_leak``: ZeRO-2, H everywhere, every zero sequence elided (``elide_zero_rows`` true).
   On rank 0 only, a backward turns the stand-ins of its two zero sequences into gradient (the
