@@ -34,10 +34,16 @@ def _model():
     return model
 
 
-def _microbatch(model, runtime, seed: int) -> None:
+def _microbatch(model, runtime, seed: int, kept=None) -> None:
+    """One microbatch, its loss on the rows ``kept`` (all of them by default): the rows a
+    prediction handed to ``expect`` names zero carry no loss, as the prediction says."""
     ids = torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    rows = torch.arange(B) if kept is None else torch.tensor(kept, dtype=torch.long)
+    if len(rows):
+        torch.nn.functional.cross_entropy(logits[rows].flatten(0, 1), ids[rows, 1:].flatten()).backward()
+    else:
+        (logits.sum() * 0).backward()
     model.zero_grad(set_to_none=True)
     runtime.end_step()
 
@@ -76,7 +82,7 @@ def test_a_plan_priced_well_above_its_peak_gives_the_excess_as_headroom(monkeypa
         for seed in range(2):  # profiled
             _microbatch(model, runtime, seed)
         runtime.expect([0.0] * B)  # planned, run all R: nothing checked
-        _microbatch(model, runtime, 2)
+        _microbatch(model, runtime, 2, kept=[])
         state = runtime.state_dict()
     finally:
         runtime.detach()
@@ -103,7 +109,9 @@ def test_a_plan_priced_well_above_its_peak_gives_the_excess_as_headroom(monkeypa
         assert bucket.plan.headroom_bytes == priced.headroom_bytes + bucket.headroom_credit
         # a plan re-solved for the sequences a microbatch keeps is not checked on its own:
         # solved within the headroom without the credit
-        rows = runtime.policy._plan_for_rows(bucket, [1.0] * (B // 2) + [0.0] * (B // 2))
+        policy = runtime.policy  # half the rows kept, as agreed with the bucket's key
+        policy.rows_agreed = [0.0, float(B // 2), 1.0, 0.0] + policy.rows_agreed[4:]
+        rows = policy._plan_for_rows(bucket, shared=True)
         assert rows is not bucket.plan
         assert rows.headroom_bytes == bucket.plan.headroom_bytes - bucket.headroom_credit
     finally:
@@ -120,7 +128,7 @@ def test_a_microbatch_run_in_part_does_not_pass_the_plan(monkeypatch):
         for seed in range(2):  # profiled
             _microbatch(model, runtime, seed)
         runtime.expect([1.0] * (B // 2) + [0.0] * (B // 2))  # planned, run in part: no credit
-        _microbatch(model, runtime, 2)
+        _microbatch(model, runtime, 2, kept=range(B // 2))
         bucket = policy.buckets[(B, T)]
         assert bucket.headroom_credit == 0
         # an absolute budget with room for some units of the eight, not all (an all-H plan
@@ -131,7 +139,7 @@ def test_a_microbatch_run_in_part_does_not_pass_the_plan(monkeypatch):
         assert 0 < sorted(bucket.plan.actions.values()).count("H") < B, bucket.plan
         checks = len(collective.checks)
         runtime.expect([1.0] * (B // 2) + [0.0] * (B // 2))  # half kept: a plan re-solved,
-        _microbatch(model, runtime, 3)  # measured (an overshoot would count), partial
+        _microbatch(model, runtime, 3, kept=range(B // 2))  # measured (an overshoot would count), partial
         assert len(collective.checks) == checks + 1 and collective.checks[-1][1] == 1
         assert bucket.checked is not bucket.plan and policy.metering.awaits_check(bucket)
         plan = bucket.plan

@@ -47,6 +47,9 @@ def _held(model, runtime, inputs, plan):
     rng = dict.fromkeys(units, 0)
     for layer in runtime._layers:
         frame, seen = runtime._mb.frame(layer.index), set()
+        if frame is None:  # all R, run checkpointed: no fast-forward (NOTE [ A layer that keeps nothing ])
+            assert layer.index in runtime._mb.checkpointed
+            continue
         for call, ff in frame.ff.items():
             if ff.rng is not None and ff.rng is not frame.rng and id(ff.rng) not in seen:
                 seen.add(id(ff.rng))
