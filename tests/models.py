@@ -177,6 +177,21 @@ def equal_utilities(monkeypatch):
     fixed_profile_times(monkeypatch, codec_s=2.0)
 
 
+def gc_timed_slower(monkeypatch):
+    """Leave-one-out's run of gradient checkpointing itself recorded a million times slower
+    than measured: a plan that keeps something is never found no faster than GC (NOTE [ Never
+    slower than GC ] in ds_hilore/plan/validate.py), whatever the load, so tests of what a plan
+    stores see it stored. The layers' variants keep their measured times."""
+    from ds_hilore.plan.validate import LeaveOneOut
+
+    record = LeaveOneOut.record
+
+    def slower_gc(self, variant, seconds, tokens=None):
+        return record(self, variant, seconds * 1e6 if variant == LeaveOneOut.GC else seconds, tokens)
+
+    monkeypatch.setattr(LeaveOneOut, "record", slower_gc)
+
+
 def packing_pays(monkeypatch):
     """Every unit's measured times replaced by ones that make H pay 1 s and L 0.98 s (its
     codec costs 0.02 s): the knapsack then fills the memory with H and L whatever the load,

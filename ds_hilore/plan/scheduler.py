@@ -446,8 +446,14 @@ class Scheduler:
         keeps nothing (with no prediction whose zeros it could elide): the bucket runs as
         gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank."""
         plan = bucket.plan
-        return plan is not None and not prediction.splits(self) and (bucket.gc_faster or (
-            self.expected is None and not any(a != "R" for a in plan.actions.values())))
+        if plan is None or prediction.splits(self):
+            return False
+        pinned = [self.config.force_plan_for(name) for name in plan.actions] \
+            if self.config.force_plan is not None else []
+        if any(a not in (None, "R") for a in pinned):  # units pinned by force_plan are honoured
+            return False
+        return bucket.gc_faster or (
+            self.expected is None and not any(a != "R" for a in plan.actions.values()))
 
     def _timed(self) -> list:
         """The run's timed profile samples, every bucket's (NOTE [ A bucket learns from the

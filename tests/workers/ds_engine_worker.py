@@ -42,7 +42,7 @@ import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.launch import write_result
-from tests.models import equal_utilities
+from tests.models import equal_utilities, gc_timed_slower
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "ds_configs"
@@ -356,6 +356,7 @@ def main() -> None:
             # fixed times: H pays for every unit whatever the load, so the plan (and the test's
             # "H" in it) does not depend on how busy the machine is
             equal_utilities(fixed)
+            gc_timed_slower(fixed)
         try:
             results[case.name] = run_case(case, args, references)
         except Exception:  # reported per case; a rank left waiting in a collective hits the timeout
