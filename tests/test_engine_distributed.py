@@ -216,7 +216,8 @@ def test_allocator_under_zero3_one_plan_no_hang_same_trajectory(allocator_zero3)
     # 3 profiled microbatches (all R, as GC), then the plan: the tiny model's activations fit
     # the budget, and storing them saves recompute time (the worker fixes the measured times)
     assert r0["steps"][0]["hilore"]["recomputed_units"] == GAS * UNITS
-    assert "H" in r0["steps"][-1]["hilore"]["unit_actions"]
+    # (step 3 times leave-one-out's variants, GC itself among them)
+    assert "H" in r0["steps"][1]["hilore"]["unit_actions"]
     for rank in allocator_zero3:
         got, ref = case_result(rank, case), case_result(rank, "zero3_hilore:full:gc:grpo_rank0_only")
         # nothing of this model is packable (slices below min_pack_numel): H and R only, exact

@@ -404,16 +404,28 @@ class Scheduler:
     def _plan_for_rows(self, bucket: Bucket, shared: bool, split: bool = False) -> Plan:
         return prediction.plan_for_rows(self, bucket, shared, split)
 
+    def _pinned(self, names) -> dict[str, str]:
+        """The units among ``names`` that ``force_plan`` pins, with their actions."""
+        if self.config.force_plan is None:
+            return {}
+        pinned = {name: self.config.force_plan_for(name) for name in names}
+        return {name: a for name, a in pinned.items() if a is not None}
+
     def _start_loo(self, bucket: Bucket) -> None:
-        layers = sorted({c.layer for c in bucket.profile.units if bucket.plan.actions[c.name] != "R"})
+        # units pinned by force_plan are not the allocator's to drop, and a bucket with a unit
+        # pinned to keep something never runs as GC: neither is timed
+        pinned = self._pinned(bucket.plan.actions)
+        layers = sorted({c.layer for c in bucket.profile.units if bucket.plan.actions[c.name] != "R"}
+                        - {c.layer for c in bucket.profile.units if c.name in pinned})
+        gc = not any(a != "R" for a in pinned.values())
         source = next((b for b in self.buckets.values() if b.loo_layers), None)
         if source is not None and source is not bucket:  # NOTE [ A bucket learns from the others ]
             bucket.source = source.key  # in profile.py: a layer's verdict once per run; this
             self._inherit(bucket, source.excluded)  # bucket's plan timed against GC alone
             layers = [] if any(a != "R" for a in bucket.plan.actions.values()) else None
         repeats = self.config.plan_validation_microbatches
-        if layers is not None and (layers or bucket.source is not None) and repeats:
-            bucket.loo = LeaveOneOut(layers, repeats, tokens=bucket.key[0] * bucket.key[1], gc=True)
+        if layers is not None and (layers or (bucket.source is not None and gc)) and repeats:
+            bucket.loo = LeaveOneOut(layers, repeats, tokens=bucket.key[0] * bucket.key[1], gc=gc)
             bucket.loo_layers = bool(layers)
         else:
             bucket.validated = True  # nothing to validate
@@ -448,9 +460,7 @@ class Scheduler:
         plan = bucket.plan
         if plan is None or prediction.splits(self):
             return False
-        pinned = [self.config.force_plan_for(name) for name in plan.actions] \
-            if self.config.force_plan is not None else []
-        if any(a not in (None, "R") for a in pinned):  # units pinned by force_plan are honoured
+        if any(a != "R" for a in self._pinned(plan.actions).values()):  # pinned by force_plan
             return False
         return bucket.gc_faster or (
             self.expected is None and not any(a != "R" for a in plan.actions.values()))
