@@ -301,6 +301,9 @@ def test_tight_budget_gradient_error_within_tolerance(run_tight):
 
 
 # ---------------------------------------------------------------------------- budget 1.0
+# the steps' zero-advantage sequences, unpredicted, are said once (runtime/unpredicted.py)
+_ZERO_FOUND_LATE = "found only after their forward"
+
 
 def test_budget_10_is_gradient_checkpointing_bitwise(caplog):
     model = _model()
@@ -325,7 +328,8 @@ def test_budget_10_is_gradient_checkpointing_bitwise(caplog):
     finally:
         runtime.detach()
     assert [r.getMessage() for r in caplog.records
-            if r.name.startswith("ds_hilore") and r.levelno >= logging.WARNING] == []
+            if r.name.startswith("ds_hilore") and r.levelno >= logging.WARNING
+            and _ZERO_FOUND_LATE not in r.getMessage()] == []
 
 
 # ---------------------------------------------------------------------------- too small
@@ -350,7 +354,8 @@ def test_budget_below_gc_falls_back_to_all_r_with_a_warning(caplog, key, value):
     finally:
         runtime.detach()
     warnings = [r.getMessage() for r in caplog.records
-                if r.name == "ds_hilore" and r.levelno == logging.WARNING]
+                if r.name == "ds_hilore" and r.levelno == logging.WARNING
+                and _ZERO_FOUND_LATE not in r.getMessage()]
     assert len(warnings) == 1, warnings
     message = warnings[0]
     assert f"hilore.{key} = {value}" in message

@@ -234,7 +234,9 @@ def test_a_short_run_logs_rewards_stats_jsonl_and_a_plot(runs):
         summary = json.loads((output_dir / "summary.json").read_text())
         flops = summary["flops"]  # --count_flops: one step of 2 micro-batches of 4, both ranks
         assert flops["microbatches"] == 4 and flops["sequences_per_microbatch"] == 4 == summary["sequences_per_microbatch"]
-        assert flops["update_flops"] >= flops["no_checkpointing_flops"] > 0
+        assert flops["update_flops"] > 0 and flops["no_checkpointing_flops"] > 0
+        if name == "gc":  # recomputes on top of the update (HiLoRe may run less: a microbatch
+            assert flops["update_flops"] >= flops["no_checkpointing_flops"]  # of zeros skips)
         assert Path(summary["png"]).is_file() and summary["held_out_after"] == records[3]["held_out_reward"]
         assert ranks[0]["trainable_sha256"] == ranks[1]["trainable_sha256"]  # ZeRO-2 keeps ranks in step
     hilore = _records(runs["hilore"][0]) + _records(runs["resumed"][0])[3:]

@@ -187,10 +187,14 @@ class LayerCalls:
     # skip their recompute where no gate skips the backward), nor one run by its kept rows
     # (NOTE [ Kept rows only ] in rows.py: a layer not yet known row-safe learns it from its
     # frame). The same on every rank: the plan and the prediction's verdict are. A microbatch
-    # found zero only after its forward, under ZeRO 1-3 (no gate), recomputes such a layer
-    # where a frame would have read stand-ins.
+    # found zero only after its forward, under ZeRO-3 (no gate), recomputes such a layer
+    # where a frame would have read stand-ins. Nor where the gate may skip the layers' backward
+    # (NOTE [ A backward of zeros ] in zero_backward.py): a checkpointed layer below a gate
+    # that hands it no gradient still recomputes when autograd reaches its nodes (their
+    # saved tensors are unpacked before the gradients are looked at), where a frame skips it.
     def _checkpointed(self, layer: LayerUnits, plan, mb: Microbatch) -> bool:
-        return layer.index != self._last_active and mb.profile is None and not mb.norms_all \
+        return not self.zero_backward_skip and layer.index != self._last_active \
+            and mb.profile is None and not mb.norms_all \
             and mb.split is None and layer.row_safe is not None \
             and all(a == "R" for a in plan.actions) \
             and not getattr(self.policy, "predicted_zero", False)
