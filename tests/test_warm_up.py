@@ -194,7 +194,7 @@ def gc_fallback():
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     ShareMemCommBuilder().load()  # built once here, not concurrently in two ranks
-    cases = ["zero2:gc", "zero2:hilore", "zero3:gc", "zero3:hilore"]
+    cases = ["zero2:gc", "zero2:hilore", "zero2:predict", "zero3:gc", "zero3:hilore", "zero3:predict"]
     ranks = run_distributed(worker.__file__, [a for c in cases for a in ("--case", c)], timeout=420)
     for rank in ranks:
         for case in cases:
@@ -213,4 +213,21 @@ def test_gc_wins_the_same_on_every_rank_and_trains_as_gc_bitwise(gc_fallback, st
         assert got["gc_faster"] and got["kept"]  # rank 1 alone timed the plan faster
         assert got["as_gc"][-4:] == [True] * 4 and not any(got["as_gc"][:2])
         assert got["losses"] == ref["losses"]  # H and R are exact, and GC is GC
+        assert got["param_sha"] == ref["param_sha"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_bucket_run_as_gc_splits_rows_all_r_on_every_rank(gc_fallback, stage):
+    """A prediction with a zero row on rank 0 alone, in a bucket that runs as GC: the ranks
+    agree to split rows, rank 1 has none of its own to split, and every rank runs the split's
+    plan all R (one with something kept on rank 1 alone gave its backward a check, and a
+    collective, that rank 0 never made: gloo's "collective mismatch"). Exact: GC's losses and
+    parameters, bitwise."""
+    for rank in gc_fallback:
+        got, ref = rank["cases"][f"{stage}:predict"], rank["cases"][f"{stage}:gc"]
+        assert got["gc_faster"]
+        assert got["as_gc"][-4:] == [False] * 4  # the rows split: not run as GC, all R
+        assert got["losses"] == ref["losses"]
         assert got["param_sha"] == ref["param_sha"]

@@ -379,7 +379,10 @@ class Scheduler:
             plan = self._plan_for_rows(bucket, shared, split)
         rows_split = None if self.predicted_zero or not split else \
             prediction.split_here(self, batch, expected)
-        if rows_split is not None and bucket.gc_faster:  # NOTE [ Never slower than GC ]
+        if split and bucket.gc_faster:  # NOTE [ Never slower than GC ]: where the ranks split
+            # (agreed), every rank runs all R -- a rank with no zero row too (it has no split of
+            # its own): a plan that keeps something on one rank only would give that rank's
+            # backward a check, and a collective, that the others never make
             plan = Plan.all_r(plan.actions, plan.headroom_bytes)
         elide = bool(expected) and shared and self.row_values[0] == 0 and rows_split is None \
             and (mode is True or not any(expected))  # this rank's prediction

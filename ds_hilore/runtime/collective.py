@@ -22,6 +22,8 @@ carries them. A whole tensor (a gradient summed over ranks) stays on its device 
 
 from __future__ import annotations
 
+import os
+import traceback
 from typing import Any
 
 import torch
@@ -67,6 +69,8 @@ class TorchDistCollective:
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` (picklable) on every rank."""
         box = [obj if self.rank == 0 else None]
+        if _TRACE:
+            _trace(self.rank, "broadcast_object")
         source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(box, src=source, group=self.host_group)
         return box[0]
@@ -95,5 +99,20 @@ class TorchDistCollective:
 
     def _all_reduce(self, values: list, dtype: torch.dtype, op: Any) -> list:
         tensor = torch.tensor(list(values), dtype=dtype)  # (n,) on the host
+        if _TRACE:
+            _trace(self.rank, f"all_reduce {op} {dtype} n={len(values)}")
         dist.all_reduce(tensor, op=op, group=self.host_group)
         return tensor.tolist()
+
+
+# DS_HILORE_TRACE_COLLECTIVES=DIR: every rank appends each of its host collectives, with the
+# code that called it, to DIR/rank<r>.txt -- what to compare when ranks disagree ("collective
+# mismatch" under gloo, a hang under NCCL).
+_TRACE = os.environ.get("DS_HILORE_TRACE_COLLECTIVES")
+
+
+def _trace(rank: int, what: str) -> None:
+    frames = traceback.extract_stack(limit=6)[:-3]
+    where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in reversed(frames))
+    with open(os.path.join(_TRACE, f"rank{rank}.txt"), "a") as out:
+        out.write(f"{what} | {where}\n")

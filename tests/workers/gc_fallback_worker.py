@@ -3,7 +3,8 @@
 
 Run by tests.launch.run_distributed. Each ``--case`` is ``<stage>:<mode>``: ZeRO ``zero2`` or
 ``zero3``; ``gc`` (transformers' gradient checkpointing, the reference) or ``hilore`` (HiLoRe
-with H and R only, leave-one-out with GC timed against the plan). Leave-one-out's clock is fixed
+with H and R only, leave-one-out with GC timed against the plan) or ``predict`` (the same, with
+the prediction handed from step ``PREDICTED_FROM`` on). Leave-one-out's clock is fixed
 per rank: rank 0 times GC faster than the plan, rank 1 the plan faster than GC; over ranks (the
 max) GC is faster, so every rank must run the bucket as GC, rank 1 too.
 
@@ -25,6 +26,9 @@ from tests.workers.ds_engine_worker import build_model, digest
 SEED = 8642
 VOCAB, BATCH, SEQ = 128, 4, 16
 GAS, STEPS = 2, 6  # step 1 profiled; steps 2-3 leave-one-out (warm-up, plan, GC, layers); then GC
+# from step 5 rank 0's first sequence has A = 0; ``predict`` hands the prediction then, so the
+# ranks agree to split rows while rank 1 has none to split
+PREDICTED_FROM = 5
 # seconds per variant, per rank: the max over ranks has GC (1.5) faster than the plan (2.0)
 TIMES = {0: {"plan": 2.0, "gc": 1.0, "layer": 2.5}, 1: {"plan": 1.0, "gc": 1.5, "layer": 2.5}}
 
@@ -35,7 +39,7 @@ def ds_config(stage: str, mode: str) -> dict:
               "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
               "gradient_clipping": 1.0, "steps_per_print": 10**6, "zero_optimization": zero,
               "zero_allow_untested_optimizer": True}
-    if mode == "hilore":
+    if mode in ("hilore", "predict"):
         config["hilore"] = {"enabled": True, "memory_budget": 4.0, "low_precision": "none",
                             "profile_microbatches": GAS, "calibration_microbatches": 0,
                             "plan_validation_microbatches": 1}
@@ -70,6 +74,9 @@ def run_case(case: str, args) -> dict:
 
     stage, mode = case.split(":")
     model = build_model("full", gc=mode == "gc")
+    for module in model.modules():  # dropout off, as GRPO actors train: rows can be split
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.0
     engine, *_ = ds_hilore.integrations.engine.initialize(
         model=model, model_parameters=list(model.parameters()), config=ds_config(stage, mode),
         distributed_port=args.master_port)
@@ -81,6 +88,12 @@ def run_case(case: str, args) -> dict:
             gen = torch.Generator().manual_seed(SEED + 1000 * step + 10 * micro + rank)
             ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)  # (B, T)
             advantages = torch.randn(BATCH, generator=gen)  # (B,)
+            if step >= PREDICTED_FROM and rank == 0:
+                advantages[0] = 0.0  # a zero row on rank 0 only
+            if mode == "predict" and step >= PREDICTED_FROM:  # rows split on rank 0 alone
+                from ds_hilore.grpo import exposure
+
+                runtime.expect(exposure.predicted(advantages, torch.ones(BATCH, SEQ - 1)))
             torch.manual_seed(SEED + step + rank)  # dropout masks
             loss = grpo_loss(engine, ids, advantages)
             engine.backward(loss)
