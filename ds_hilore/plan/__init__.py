@@ -4,6 +4,7 @@ sequence or recomputed (R), within a memory budget and a gradient-error budget.
     profile.py       what each unit costs, measured on the running model (NOTE [ Profiling ])
     risk.py          how much gradient error packing adds, calibrated from matched passes
     calibrate.py     the matched passes (NOTE [ Matched passes ])
+    pass_runner.py   one pass, in pieces that fit (NOTE [ What a pass holds ])
     grad_error.py    their arithmetic on gradients: norms, relative errors, the step's over ranks
     zero3_passes.py  a pass under ZeRO-3 (NOTE [ Matched passes under ZeRO-3 ])
     knapsack.py      the two-constraint multiple-choice knapsack (pure)

@@ -3,7 +3,7 @@ parameter, squared norms in fp64, relative errors (NOTE [ Non-finite passes ]) a
 error over ranks (NOTE [ The step's error over ranks ]).
 
 Called by ``MatchedPasses`` (calibrate.py), which compares each gradient with the exact one as
-it arrives (NOTE [ What a pass holds ] in calibrate.py).
+it arrives (NOTE [ What a pass holds ] in pass_runner.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def step_error(diff: list[torch.Tensor], exact: list[torch.Tensor], collective) 
     the parameters a pass measures, under ZeRO-3 too: a pass's gradients are full tensors, never
     partitioned), and the norms taken after, in fp64, one tensor at a time; every rank then
     computes the same value. With the passes in pieces (NOTE [ What a pass holds ] in
-    calibrate.py) each piece's D and G are summed over ranks in turn and the squared norms add
+    pass_runner.py) each piece's D and G are summed over ranks in turn and the squared norms add
     up over pieces. Validation runs every ``validation_interval`` steps, so this all-reduce of
     one gradient (twice) is rare.
 

@@ -6,7 +6,7 @@ the other in one launch, every one on the same data:
 * stage: ``zero3`` (ZeRO-3, small parameters persistent) or ``zero2``;
 * passes: ``on`` (one calibrated microbatch, then every step validated), ``off`` (neither), or
   ``pieces`` (as ``on``, with the passes' spare memory taken as 0: every pass runs layer by
-  layer, NOTE [ What a pass holds ] in ds_hilore/plan/calibrate.py).
+  layer, NOTE [ What a pass holds ] in ds_hilore/plan/pass_runner.py).
 
 Once the bucket is profiled its plan packs the attention units (S and L, the same on every
 rank; an L MLP stores other tensors under ZeRO-3 than under ZeRO-2, so its error would differ
