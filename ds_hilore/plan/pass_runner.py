@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 
 from ds_hilore.plan.grad_error import held_bytes, numel
 from ds_hilore.plan.zero3_passes import isolated as zero3_isolated
 from ds_hilore.runtime.memory import DevicePeak, in_use_bytes
-
-if TYPE_CHECKING:
-    from ds_hilore.plan.calibrate import _Job
 
 logger = logging.getLogger("ds_hilore")
 
@@ -47,10 +44,10 @@ class _Stopped(Exception):
 
 class PassRunner:
     """Runs passes for ``MatchedPasses``, whose state (``scheduler``, meters, ``pieces``) it
-    uses."""
+    uses; a ``job`` is calibrate.py's ``_Job`` (not imported here: calibrate imports this)."""
 
     # ------------------------------------------------------------------ one pass
-    def _pass(self, job: _Job, actions, rows, params: list[torch.Tensor],
+    def _pass(self, job: Any, actions, rows, params: list[torch.Tensor],
               on_grad: Callable[[int, torch.Tensor], None], stop: bool = False) -> None:
         """``job``'s microbatch under ``actions`` / ``rows``, and the backward from the last
         layer's output to ``params``: ``on_grad(i, gradient of params[i])`` as each arrives,
@@ -118,7 +115,7 @@ class PassRunner:
             groups.append(group)
         return [g for g in groups if g]
 
-    def _pieces(self, job: _Job, accumulators: bool) -> list[list[torch.Tensor]]:
+    def _pieces(self, job: Any, accumulators: bool) -> list[list[torch.Tensor]]:
         """Consecutive decoder layers' trainable parameters, in pieces whose gradients fit
         what the budget leaves (NOTE [ What a pass holds ]); ``accumulators``: validation's D
         and G are held too."""
@@ -145,7 +142,7 @@ class PassRunner:
         self.pieces = max(self.pieces, len(pieces))
         return pieces
 
-    def _spare_bytes(self, job: _Job) -> int | None:
+    def _spare_bytes(self, job: Any) -> int | None:
         """What the budget leaves for a pass's gradients now, the min over ranks: the budget,
         less what is in use, less the pass's own activations; None without a budget."""
         bucket = job.bucket
