@@ -373,4 +373,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from tests.launch import end_distributed
+
     main()
+    end_distributed()  # NOTE [ Ending the process group ] in tests/launch.py

@@ -308,4 +308,7 @@ def report(args, rank: int, engines: dict, record: dict) -> None:
 
 
 if __name__ == "__main__":
+    from tests.launch import end_distributed
+
     main()
+    end_distributed()  # NOTE [ Ending the process group ] in tests/launch.py

@@ -166,4 +166,7 @@ def _plain(value):
 
 
 if __name__ == "__main__":
+    from tests.launch import end_distributed
+
     main()
+    end_distributed()  # NOTE [ Ending the process group ] in tests/launch.py
