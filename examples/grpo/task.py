@@ -71,8 +71,37 @@ def in_held_out(prompt: str, share: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------- tasks
+class _Drawn:
+    """A task whose examples are drawn one at a time (``_draw``), train and held-out told apart by
+    the prompt's hash (``in_held_out``)."""
+
+    name = ""  # the task's name in its warm-start cache key
+
+    @property
+    def key(self) -> dict:
+        """Everything that shapes the task (part of the warm-start cache key)."""
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    def _draw(self, rng: random.Random) -> Example:
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random, n: int, split: str = "train") -> list[Example]:
+        """``n`` examples of ``split`` drawn with ``rng`` (rejection on the hash split)."""
+        _check_split(split)
+        out = []
+        while len(out) < n:
+            example = self._draw(rng)
+            if in_held_out(example.prompt, self.held_out_share) == (split == "held_out"):
+                out.append(example)
+        return out
+
+    def held_out(self, n: int) -> list[Example]:
+        """The first ``n`` held-out examples: the same in every run, whatever its seed."""
+        return self.sample(random.Random("held_out"), n, "held_out")
+
+
 @dataclasses.dataclass(frozen=True)
-class ReverseTask:
+class ReverseTask(_Drawn):
     """Reverse a random string: ``"cabd="`` -> ``"dbac"``. Lengths in [min_len, max_len]."""
 
     alphabet: str = "abcdefghij"
@@ -81,10 +110,7 @@ class ReverseTask:
     held_out_share: float = 0.1
     reward: str = "char_match"
 
-    @property
-    def key(self) -> dict:
-        """Everything that shapes the task (part of the warm-start cache key)."""
-        return {"name": "reverse", **dataclasses.asdict(self)}
+    name = "reverse"
 
     @property
     def characters(self) -> str:
@@ -93,21 +119,9 @@ class ReverseTask:
     def make(self, text: str) -> Example:
         return Example(prompt=text + "=", answer=text[::-1])
 
-    def sample(self, rng: random.Random, n: int, split: str = "train") -> list[Example]:
-        """``n`` examples of ``split`` drawn with ``rng`` (rejection on the hash split)."""
-        _check_split(split)
-        want_held_out = split == "held_out"
-        out = []
-        while len(out) < n:
-            length = rng.randint(self.min_len, self.max_len)
-            example = self.make("".join(rng.choice(self.alphabet) for _ in range(length)))
-            if in_held_out(example.prompt, self.held_out_share) == want_held_out:
-                out.append(example)
-        return out
-
-    def held_out(self, n: int) -> list[Example]:
-        """The first ``n`` held-out examples: the same in every run, whatever its seed."""
-        return self.sample(random.Random("held_out"), n, "held_out")
+    def _draw(self, rng: random.Random) -> Example:
+        length = rng.randint(self.min_len, self.max_len)
+        return self.make("".join(rng.choice(self.alphabet) for _ in range(length)))
 
     @property
     def longest(self) -> tuple[int, int]:
@@ -116,7 +130,7 @@ class ReverseTask:
 
 
 @dataclasses.dataclass(frozen=True)
-class CountTask:
+class CountTask(_Drawn):
     """Write out an arithmetic sequence: ``"389+4:441="`` (first term, step, last term) ->
     ``"389 393 397 ... 441"``. Every term has three digits, so a character's position says
     which digit of which term it is (partial credit lines up); ``min_terms``-``max_terms``
@@ -130,9 +144,7 @@ class CountTask:
     held_out_share: float = 0.1
     reward: str = "char_match"
 
-    @property
-    def key(self) -> dict:
-        return {"name": "count", **dataclasses.asdict(self)}
+    name = "count"
 
     @property
     def characters(self) -> str:
@@ -142,21 +154,10 @@ class CountTask:
         last = first + step * (terms - 1)
         return Example(prompt=f"{first}+{step}:{last}=", answer=" ".join(str(first + step * i) for i in range(terms)))
 
-    def sample(self, rng: random.Random, n: int, split: str = "train") -> list[Example]:
-        """``n`` examples of ``split`` drawn with ``rng`` (rejection on the hash split)."""
-        _check_split(split)
-        out = []
-        while len(out) < n:
-            terms = rng.randint(self.min_terms, self.max_terms)
-            step = rng.randint(1, self.max_step)
-            example = self.make(rng.randint(100, 999 - step * (terms - 1)), step, terms)
-            if in_held_out(example.prompt, self.held_out_share) == (split == "held_out"):
-                out.append(example)
-        return out
-
-    def held_out(self, n: int) -> list[Example]:
-        """The first ``n`` held-out examples: the same in every run, whatever its seed."""
-        return self.sample(random.Random("held_out"), n, "held_out")
+    def _draw(self, rng: random.Random) -> Example:
+        terms = rng.randint(self.min_terms, self.max_terms)
+        step = rng.randint(1, self.max_step)
+        return self.make(rng.randint(100, 999 - step * (terms - 1)), step, terms)
 
     @property
     def longest(self) -> tuple[int, int]:
