@@ -133,6 +133,35 @@ def test_each_step_says_what_it_spent_on_learning(run):
     assert not {"profiling", "leave-one-out", "calibration", "planning"} & set(work[13])
 
 
+# ---- calibrated where cheap (NOTE [ Calibrated where cheap ] in ds_hilore/plan/calibrate.py) ---
+@pytest.mark.parametrize("defer_at_most", [16, 1])
+def test_calibration_waits_for_the_planned_bucket_of_fewest_tokens(monkeypatch, defer_at_most):
+    """4x32 is profiled on three microbatches and planned at the fourth, which calibrates (the
+    only planned bucket); 4x64 is profiled on its first and planned at its second, which puts
+    its calibration off to the next 4x32 -- unless the deferrals allowed are spent."""
+    from ds_hilore.plan.calibrate import MatchedPasses
+
+    equal_utilities(monkeypatch)
+    monkeypatch.setattr(LeaveOneOut, "gc_not_slower", lambda self: False)
+    monkeypatch.setattr(MatchedPasses, "DEFER_AT_MOST", defer_at_most)
+    model = planner_model()
+    runtime = ds_hilore.attach(model, dict(CONFIG, calibration_microbatches=2,
+                                           plan_validation_microbatches=0))
+    scheduler = runtime.policy
+    lengths = (32, 32, 32, 32, 64, 64, 64, 32)
+    try:
+        calibrating = [length for step, length in enumerate(lengths)
+                       if "calibration" in _step(runtime, model, step, length)["warm_up"]]
+        long = scheduler.buckets[(B, 64)]
+    finally:
+        runtime.detach()
+    assert long.plan is not None and scheduler.calibrated == 2
+    if defer_at_most == 16:
+        assert calibrating == [32, 32] and scheduler.passes.deferred == 2
+    else:  # one deferral, then the long bucket calibrates
+        assert calibrating == [32, 64] and scheduler.passes.deferred == 1
+
+
 # ---- never slower than GC (NOTE [ Never slower than GC ] in ds_hilore/plan/validate.py) -------
 def test_gc_is_timed_with_the_plan_and_wins_when_it_is_no_slower():
     loo = LeaveOneOut([0], repeats=2, gc=True)
