@@ -14,6 +14,9 @@
 # `make test PYTEST_WORKERS=0` runs the suite in one process.
 
 import gc
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,14 @@ import pytest
 _SHM = Path("/dev/shm")
 _BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-reduce, left behind by its ranks
 _LEFT_BEFORE = pytest.StashKey[set]()  # the buffers that existed before the run
+
+
+# Codec kernels built ahead (NOTE [ Codec kernels built ahead ] in ds_hilore/runtime/codec_ahead.py)
+# are read from a folder of the session's own, empty: packages a user built on this machine
+# never decide what a test compiles. Set before the workers start, which inherit it.
+if "DS_HILORE_TEST_CACHE_DIR" not in os.environ:
+    os.environ["DS_HILORE_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="ds_hilore_test_cache_")
+os.environ["DS_HILORE_CACHE_DIR"] = os.environ["DS_HILORE_TEST_CACHE_DIR"]
 
 
 def _is_worker(config) -> bool:
@@ -41,6 +52,7 @@ def pytest_sessionfinish(session):
     before = session.config.stash.get(_LEFT_BEFORE, None)
     if before is None:  # an xdist worker: the controller removes them
         return
+    shutil.rmtree(os.environ["DS_HILORE_TEST_CACHE_DIR"], ignore_errors=True)
     for path in set(_SHM.glob(_BUFFERS)) - before:
         path.unlink(missing_ok=True)
 

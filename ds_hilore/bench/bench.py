@@ -5,6 +5,8 @@ verdicts.
 The pipeline (``main``), one stage a module, each reading only what the stages above made:
 
 1. options (``options.check_args``): the flags, checked, as a ``Config``;
+   on a CPU with ``codec_backend`` "compile", the codec's kernels are built ahead first, once
+   per machine (NOTE [ Codec kernels built ahead ] in runtime/codec_ahead.py);
 2. ranks (``launch.run_ranks``): ``config.ranks`` processes, each building the seeded model,
    its part of the GRPO data (``data``) and one engine per method (``engines``; the registry:
    ``methods``), then the paired mode (``rounds``: warm-up, peaks, gradients, paired rounds)
@@ -42,6 +44,10 @@ def main(args) -> int:
     """``hilore bench`` (not ``--report``): the pipeline of the module docstring; the exit
     status (1 when nothing was timed)."""
     config = check_args(args)  # 1. options
+    if config.codec_backend == "compile" and config.device == "cpu":  # once per machine
+        from ds_hilore.runtime.codec_ahead import build_all  # NOTE [ Codec kernels built ahead ]
+
+        build_all(["int8"], [torch_dtype(config.dtype)], say=_say)
     conductor = Conductor(config, args.json)
     samples = run_ranks(config, conductor)  # 2. the ranks: data, engines, rounds
     if samples is None:
@@ -73,6 +79,12 @@ def save(document: dict[str, Any], path: str) -> None:
         json.dump(document, handle, indent=1)
         handle.write("\n")
     os.replace(path + ".tmp", path)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return torch.bfloat16 if name == "bf16" else torch.float32
 
 
 def _say(message: str) -> None:

@@ -20,21 +20,54 @@ PACKAGES = ("ds_hilore", "torch", "deepspeed", "transformers", "peft", "accelera
             "openrlhf", "mpi4py")
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile-check", action="store_true",
                         help="skip the codec compilation check (a few seconds)")
+    parser.add_argument("--build-codecs", metavar="DTYPES", nargs="?", const="fp32,bf16",
+                        default=None, type=_dtypes,
+                        help="first build the codecs' CPU kernels ahead for these activation "
+                             "dtypes (comma-separated of fp32, bf16, fp16; default fp32,bf16), "
+                             "once per machine: runs then load them instead of compiling at "
+                             "their start (about 7 s a kernel; under DS_HILORE_CACHE_DIR, "
+                             "default ~/.cache/ds_hilore)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.build_codecs is not None:
+        _build_codecs(args.build_codecs)
     rows = [("python", platform.python_version()), ("platform", platform.platform())]
     rows += [(name, _version(name)) for name in PACKAGES]
     rows += _accelerator()
     rows += _codec(not args.no_compile_check)
+    rows.append(("codec kernels built ahead", _built()))
     rows += [(name, os.environ.get(name, "(unset)")) for name in
              ("DS_ACCELERATOR", "DS_HILORE", "DS_HILORE_CONFIG", "TORCH_EXTENSIONS_DIR")]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     return 0
+
+
+def _dtypes(names: str) -> list[str]:
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in DTYPES]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"{names!r}: unknown dtype(s) {unknown}; give a "
+                                         f"comma-separated list of {', '.join(DTYPES)}")
+    return chosen
+
+
+def _build_codecs(names: list[str]) -> None:
+    """NOTE [ Codec kernels built ahead ] in runtime/codec_ahead.py"""
+    import torch
+
+    from ds_hilore.runtime.codec_ahead import build_all
+    from ds_hilore.runtime.codecs import CODECS
+
+    build_all(list(CODECS), [getattr(torch, DTYPES[n]) for n in names],
+              say=lambda line: print(line, flush=True))
 
 
 def _version(name: str) -> str:
@@ -63,6 +96,15 @@ def _accelerator() -> list[tuple[str, str]]:
     except Exception as error:  # noqa: BLE001 -- report what DeepSpeed says, whatever it is
         rows.append(("deepspeed accelerator", f"(unavailable: {str(error).splitlines()[0]})"))
     return rows
+
+
+def _built() -> str:
+    from ds_hilore.runtime.codec_ahead import cache_folder
+
+    folder = cache_folder()
+    found = sorted(p.stem for p in folder.glob("*.pt2")) if folder.is_dir() else []
+    return (f"{len(found)} in {folder}" if found else
+            f"none ({folder}; `hilore env --build-codecs` builds them)")
 
 
 def _codec(check: bool) -> list[tuple[str, str]]:

@@ -265,7 +265,9 @@ class Metering(PlanChecks):
     # reading, for the activations' dtype (autocast's, else the first floating parameter's; a
     # pack in another dtype compiles its own graph when it comes): from then on the memory is
     # in every reading and in none of the growth. The time it takes (a few seconds with
-    # inductor's on-disk cache, once per process) is the step's ``warm_up["compile"]``. It stays
+    # inductor's on-disk cache, once per process; milliseconds where the kernels were built
+    # ahead: NOTE [ Codec kernels built ahead ] in runtime/codec_ahead.py) is the step's
+    # ``warm_up["compile"]``. It stays
     # in the training thread: compiled in a thread of its own while the script went on, dynamo
     # failed now and then on fake tensors, and a process that ended with the thread alive aborted.
     def begin_step(self) -> None:

@@ -30,6 +30,7 @@ from torch._dynamo.decorators import mark_unbacked
 from torch.fx.experimental import _config as fx_config
 
 from ds_hilore._errors import HiLoReConfigError, bug
+from ds_hilore.runtime import codec_ahead
 from ds_hilore.runtime.memory import live_storage_bytes
 
 __all__ = ["CODECS", "CODEC_BACKENDS", "Codec", "CodecSpec", "Packed", "codec_from_config",
@@ -201,6 +202,9 @@ class _Kernel:
         self.failure: str | None = None  # why compilation failed; eager from then on
         self._compiled: Callable | None = None
         self._traced: set[tuple[torch.dtype, ...]] = set()  # argument dtypes traced so far
+        # argument dtypes -> the kernel built ahead for them (NOTE [ Codec kernels built ahead ]
+        # in codec_ahead.py), loaded by ``Codec.warmup``; CPU tensors only
+        self.ahead: dict[tuple[torch.dtype, ...], Callable] = {}
 
     @property
     def name(self) -> str:
@@ -224,6 +228,10 @@ class _Kernel:
     def compiled(self, *args):
         """Run the compiled kernel; _FAILED if it cannot be compiled (then use ``fn``)."""
         device_type = args[0].device.type
+        if self.ahead and device_type == "cpu":  # every argument a tensor (codec_ahead.py)
+            built = self.ahead.get(tuple(a.dtype for a in args))
+            if built is not None and all(a.is_contiguous() for a in args):
+                return built(list(args))
         if self._compiled is None:
             reason = compile_unavailable(device_type)
             if reason is not None:
@@ -608,7 +616,11 @@ class Codec:
 
     def warmup(self, dtypes=(torch.float32,), device="cpu") -> None:
         """Compile (or load from inductor's cache) the kernels for ``dtypes`` now, not mid-step.
-        Runs the kernels alone: no caller of ``pack`` / ``unpack`` sees these calls."""
+        Runs the kernels alone: no caller of ``pack`` / ``unpack`` sees these calls. On a CPU,
+        the kernels built ahead for ``dtypes`` are loaded first and nothing is compiled for them
+        (NOTE [ Codec kernels built ahead ] in codec_ahead.py)."""
+        if self.backend == "compile" and torch.device(device).type == "cpu":
+            codec_ahead.load_into(self.spec.kernels(), dtypes)
         for dtype in dtypes:
             for g in (256, 200):  # divisible by the fp8 block size, and not (ragged kernels)
                 # no random numbers: the caller's RNG streams stay where they were

@@ -1,0 +1,107 @@
+"""Codec kernels built ahead of time (NOTE [ Codec kernels built ahead ] in
+ds_hilore/runtime/codec_ahead.py): built once into a folder, loaded by ``Codec.warmup`` with
+nothing compiled at run time, bitwise the eager codec's payloads, scales and decoded values (the error sums in
+their last bits only, as the run-time compiled kernels);
+a package that does not load, or none at all, leaves the run-time compiler in charge, said.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from ds_hilore.runtime import codec_ahead, codecs
+from ds_hilore.runtime.codecs import CODECS, compiled_graph_counts, get_codec
+
+COMPILE_UNAVAILABLE = codecs.compile_unavailable("cpu")  # the probe the library uses
+needs_compile = pytest.mark.skipif(COMPILE_UNAVAILABLE is not None,
+                                   reason=f"codec_backend 'compile' unavailable: {COMPILE_UNAVAILABLE}")
+INT8 = CODECS["int8"].kernels()
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """A cache folder of the test's own; every kernel forgets what it loaded afterwards, so no
+    later test runs a package this one built."""
+    monkeypatch.setenv("DS_HILORE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(codec_ahead, "_hinted", False)
+    codec_ahead.cache_folder.cache_clear()
+    yield tmp_path
+    codec_ahead.cache_folder.cache_clear()
+    for spec in CODECS.values():
+        for kernel in spec.kernels():
+            kernel.ahead.clear()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    yield torch.randn(2, 2, generator=g)
+    yield torch.randn(37, 5, generator=g) * 1e-3
+    x = torch.randn(300, 256, generator=g) * 4
+    x[3, :7] = -math.inf  # carried as the int8 sentinel (NOTE [ -inf in int8 ])
+    x[5] = 0.0  # an all-zero row: scale 1
+    yield x
+    yield torch.randn(9, 5000, generator=g)  # a row longer than 4096 elements
+
+
+@pytest.mark.slow
+@needs_compile
+def test_kernels_built_ahead_load_without_compiling_and_match_eager_bitwise(folder):
+    paths = codec_ahead.build_all(["int8"], [torch.float32], say=lambda line: None)
+    assert {p.name for p in paths} == {"_int8_encode-float32.pt2", "_int8_encode_fast-float32.pt2",
+                                       "_int8_rescale-float32.pt2"}
+    assert all(p.parent == codec_ahead.cache_folder() and p.parent.parent.parent == folder
+               for p in paths)
+    before = compiled_graph_counts()
+    ahead, eager = get_codec("int8", backend="compile"), get_codec("int8", backend="eager")
+    ahead.warmup((torch.float32,), "cpu")
+    assert all(k.ahead for k in INT8 if codec_ahead.signature(k.name))
+    for x in _inputs():
+        for measure in (True, False):
+            got, want = ahead.pack(x, measure), eager.pack(x, measure)
+            assert torch.equal(got.payload, want.payload) and torch.equal(got.scales, want.scales)
+            if measure:
+                assert got.rel_error == pytest.approx(want.rel_error, rel=1e-6, abs=1e-12)
+            else:
+                assert got.rel_error is None and got.stats[0] == want.stats[0]
+                assert got.stats[1].item() == pytest.approx(want.stats[1].item(), rel=1e-12)
+            out = torch.full(x.shape, 7.0)  # written in place by the built rescale
+            assert ahead.unpack(got, out) is out and torch.equal(out, eager.unpack(want))
+    nan = torch.ones(4, 8)
+    nan[1, 2] = math.nan
+    assert ahead.pack(nan) is None  # not finite: the unit stays H, as with every backend
+    assert compiled_graph_counts() == before  # nothing was compiled at run time
+    # a second build finds them there and builds nothing
+    said = []
+    assert codec_ahead.build_all(["int8"], [torch.float32], say=said.append) == paths and said == []
+
+
+def test_a_package_that_does_not_load_is_said_and_compiled_at_run_time(folder, caplog):
+    path = codec_ahead.cache_folder() / "_int8_encode-float32.pt2"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a package")
+    with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+        assert codec_ahead.load("_int8_encode", torch.float32) is None
+    assert "does not load" in caplog.text and "compiled at run time" in caplog.text
+    codec_ahead.load_into(INT8, (torch.float32,))
+    assert not any(k.ahead for k in INT8)
+
+
+def test_without_packages_the_run_says_once_how_to_build_them(folder, caplog):
+    with caplog.at_level(logging.INFO, logger="ds_hilore"):
+        codec_ahead.load_into(INT8, (torch.float32,))
+        codec_ahead.load_into(INT8, (torch.bfloat16,))
+    lines = [r.getMessage() for r in caplog.records if "built ahead" in r.getMessage()]
+    assert len(lines) == 1 and "hilore env --build-codecs" in lines[0]
+    assert "_int8_encode (float32)" in lines[0] and str(codec_ahead.cache_folder()) in lines[0]
+    assert not any(k.ahead for k in INT8)
+
+
+def test_the_folder_names_what_the_code_depends_on(folder):
+    name = codec_ahead.cache_folder().name
+    assert torch.__version__.replace("+", "_") in name
+    assert torch.backends.cpu.get_cpu_capability() in name
+    assert not codec_ahead.signature("_fp8_encode_ragged")  # takes a block size: run time only
