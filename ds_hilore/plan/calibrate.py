@@ -105,7 +105,7 @@ class MatchedPasses(PassRunner):
         self._warned_pieces = False
         self.fresh = False  # the forward in progress owns ``job`` (``begin_forward``)
         self._capture_bytes: int | None = None  # one gradient of the layers' trainable parameters
-        self.deferred = 0  # calibrations put off to a shorter bucket (NOTE [ Calibrated where cheap ])
+        self.deferred = 0  # microbatches the next calibration was put off (NOTE [ Calibrated where cheap ])
 
     # ------------------------------------------------------------------ selection
     def begin_forward(self, args, kwargs, bucket, replayable: bool = True) -> bool:
@@ -145,19 +145,20 @@ class MatchedPasses(PassRunner):
     # matched pass), so its price grows with the microbatch's tokens: on a run whose steps vary
     # over 128, 256 and 512 positions (2-core CPU, 2 ranks), the step at 512 that calibrated cost
     # 6.0 s more than GC's, those at 256 about 2 s, the one at 128 1.2 s (each with some planning
-    # in it). What it measures does not depend on the length: a sample is the error
-    # over the predicted risk, both relative to the microbatch's own gradient (NOTE [ Risk in step
-    # units ] in risk.py), and it is pooled per unit group, not per bucket. So a microbatch
-    # calibrates only in the planned bucket of the fewest tokens (sequences x length, the key
-    # every rank agreed on: the same choice on every rank), and a longer one puts it off -- at
-    # most ``DEFER_AT_MOST`` microbatches in all, so that a shorter bucket that is planned and
-    # then never comes back cannot hold calibration off for the rest of the run.
+    # in it). What it measures does not depend on the length: a sample is the error over the
+    # predicted risk, both relative to the microbatch's own gradient (NOTE [ Risk in step units ]
+    # in risk.py), and it is pooled per unit group, not per bucket. So a microbatch calibrates
+    # only in a planned bucket of the shortest length met so far (over every bucket, planned or
+    # not, by the keys every rank agreed on: the same choice on every rank); one of a longer
+    # bucket puts the calibration off -- each calibration at most ``DEFER_AT_MOST`` microbatches,
+    # so that a short shape met once, or rarely, cannot hold calibration off for long.
     DEFER_AT_MOST = 16
 
     def _cheap_here(self, bucket) -> bool:
         """Whether ``bucket``'s microbatch may calibrate now (NOTE [ Calibrated where cheap ])."""
-        planned = [b.key[0] * b.key[1] for b in self.scheduler.buckets.values() if b.plan is not None]
-        if bucket.key[0] * bucket.key[1] <= min(planned) or self.deferred >= self.DEFER_AT_MOST:
+        shortest = min(key[1] for key in self.scheduler.buckets)
+        if bucket.key[1] <= shortest or self.deferred >= self.DEFER_AT_MOST:
+            self.deferred = 0
             return True
         self.deferred += 1
         return False
