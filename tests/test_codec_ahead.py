@@ -100,8 +100,13 @@ def test_without_packages_the_run_says_once_how_to_build_them(folder, caplog):
     assert not any(k.ahead for k in INT8)
 
 
-def test_the_folder_names_what_the_code_depends_on(folder):
-    name = codec_ahead.cache_folder().name
-    assert torch.__version__.replace("+", "_") in name
-    assert torch.backends.cpu.get_cpu_capability() in name
+def test_the_folder_names_what_the_code_depends_on(folder, monkeypatch):
+    here = codec_ahead.cache_folder()
+    assert torch.__version__.replace("+", "_") in here.name
+    assert torch.backends.cpu.get_cpu_capability() in here.name
+    # another CPU model of the same capability (a home folder shared between machines)
+    monkeypatch.setattr(codec_ahead, "_cpu_model", lambda: "model name : another CPU")
+    codec_ahead.cache_folder.cache_clear()
+    elsewhere = codec_ahead.cache_folder()
+    assert elsewhere.parent == here.parent and elsewhere != here
     assert not codec_ahead.signature("_fp8_encode_ragged")  # takes a block size: run time only

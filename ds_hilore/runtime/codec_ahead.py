@@ -12,7 +12,9 @@ So on a CPU the kernels are also built ahead, as DeepSpeed builds its C++ ops: e
 dynamic sizes (``torch.export``) and compiled by AOTInductor into a package per kernel and
 activation dtype, under ``DS_HILORE_CACHE_DIR`` (default ``~/.cache/ds_hilore``), in a folder
 named by what the code depends on -- torch's version, the machine and its CPU capability, and a
-hash of the kernels' source and of this module. A run whose packages are there loads them in
+hash of the kernels' source, of this module and of the CPU's model and instruction-set flags
+(inductor compiles for the CPU it runs on: a folder shared between machines must not hand one a
+package built for another). A run whose packages are there loads them in
 milliseconds and compiles nothing; a run without them compiles as before and says once how to
 build them (``hilore env --build-codecs``; the bench and ``make demo`` build them before their
 ranks start). A package that fails to load is said once and the kernel compiles at run time.
@@ -97,11 +99,25 @@ def cache_folder() -> Path:
     for path in (codecs.__file__, __file__):
         digest.update(Path(path).read_bytes())
     digest.update(torch.__version__.encode())
+    digest.update(_cpu_model().encode())
     capability = torch.backends.cpu.get_cpu_capability()
     tag = f"torch-{torch.__version__}-{platform.machine()}-{capability}-{digest.hexdigest()[:16]}"
     root = os.environ.get("DS_HILORE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
                                                                     "ds_hilore")
     return Path(root) / "codec_kernels" / tag.replace("+", "_")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and instruction-set flags where the system lists them: inductor
+    compiles for the machine it runs on (``-march=native``), so a package built on one CPU may
+    not run on another of the same vector capability (a home folder shared between machines)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line.strip() for line in text.splitlines()
+                              if line.split(":")[0].strip() in wanted}))
 
 
 def _path(name: str, dtype: torch.dtype) -> Path:
