@@ -29,7 +29,8 @@ _LEFT_BEFORE = pytest.StashKey[set]()  # the buffers that existed before the run
 # Codec kernels built ahead (NOTE [ Codec kernels built ahead ] in ds_hilore/runtime/codec_ahead.py)
 # are read from a folder of the session's own, empty: packages a user built on this machine
 # never decide what a test compiles. Set before the workers start, which inherit it.
-if "DS_HILORE_TEST_CACHE_DIR" not in os.environ:
+_CACHE_MADE_HERE = "DS_HILORE_TEST_CACHE_DIR" not in os.environ  # the controller, or one process
+if _CACHE_MADE_HERE:
     os.environ["DS_HILORE_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="ds_hilore_test_cache_")
 os.environ["DS_HILORE_CACHE_DIR"] = os.environ["DS_HILORE_TEST_CACHE_DIR"]
 
@@ -49,10 +50,11 @@ def pytest_sessionfinish(session):
     in /dev/shm, which is the machine's memory: remove the ones this run created. Done once,
     after every worker has finished: a worker that removed them on its own would pull them from
     under a launch still running on the other."""
+    if _CACHE_MADE_HERE and not _is_worker(session.config):
+        shutil.rmtree(os.environ["DS_HILORE_TEST_CACHE_DIR"], ignore_errors=True)
     before = session.config.stash.get(_LEFT_BEFORE, None)
     if before is None:  # an xdist worker: the controller removes them
         return
-    shutil.rmtree(os.environ["DS_HILORE_TEST_CACHE_DIR"], ignore_errors=True)
     for path in set(_SHM.glob(_BUFFERS)) - before:
         path.unlink(missing_ok=True)
 

@@ -1,8 +1,8 @@
 """Codec kernels built ahead of time (NOTE [ Codec kernels built ahead ] in
 ds_hilore/runtime/codec_ahead.py): built once into a folder, loaded by ``Codec.warmup`` with
-nothing compiled at run time, bitwise the eager codec's payloads, scales and decoded values (the error sums in
-their last bits only, as the run-time compiled kernels);
-a package that does not load, or none at all, leaves the run-time compiler in charge, said.
+nothing compiled at run time, bitwise the eager codec's payloads, scales and decoded values (the
+error sums in their last bits only, as the run-time compiled kernels); a package that does not
+load, fails when run, or is not there leaves the run-time compiler in charge, said.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from ds_hilore.runtime import codec_ahead, codecs
 from ds_hilore.runtime.codecs import CODECS, compiled_graph_counts, get_codec
 
 COMPILE_UNAVAILABLE = codecs.compile_unavailable("cpu")  # the probe the library uses
-needs_compile = pytest.mark.skipif(COMPILE_UNAVAILABLE is not None,
-                                   reason=f"codec_backend 'compile' unavailable: {COMPILE_UNAVAILABLE}")
+needs_compile = pytest.mark.skipif(
+    COMPILE_UNAVAILABLE is not None, reason=f"codec_backend 'compile' unavailable: {COMPILE_UNAVAILABLE}")
 INT8 = CODECS["int8"].kernels()
 
 
@@ -70,6 +70,10 @@ def test_kernels_built_ahead_load_without_compiling_and_match_eager_bitwise(fold
                 assert got.stats[1].item() == pytest.approx(want.stats[1].item(), rel=1e-12)
             out = torch.full(x.shape, 7.0)  # written in place by the built rescale
             assert ahead.unpack(got, out) is out and torch.equal(out, eager.unpack(want))
+            buffer = torch.full((x.numel() + 11,), 7.0)  # a slice at an offset, as storage.py
+            inside = buffer[5:5 + x.numel()].view(x.shape)
+            ahead.unpack(got, inside)
+            assert torch.equal(inside, out) and (buffer[:5] == 7).all() and (buffer[-6:] == 7).all()
     nan = torch.ones(4, 8)
     nan[1, 2] = math.nan
     assert ahead.pack(nan) is None  # not finite: the unit stays H, as with every backend
@@ -88,6 +92,19 @@ def test_a_package_that_does_not_load_is_said_and_compiled_at_run_time(folder, c
     assert "does not load" in caplog.text and "compiled at run time" in caplog.text
     codec_ahead.load_into(INT8, (torch.float32,))
     assert not any(k.ahead for k in INT8)
+
+
+def test_a_built_kernel_that_fails_is_dropped_and_said(monkeypatch, caplog):
+    kernel = codecs._Kernel(codecs._int8_encode, unbacked=True)  # a fresh one: nothing shared
+
+    def fails(args):
+        raise RuntimeError("a package that loaded but does not run")
+
+    kernel.ahead[(torch.float32,)] = fails
+    monkeypatch.setattr(codecs, "compile_unavailable", lambda device: "no compiler (test)")
+    with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+        assert kernel.compiled(torch.ones(4, 8)) is codecs._FAILED  # then the eager kernel
+    assert kernel.ahead == {} and "built ahead failed" in caplog.text
 
 
 def test_without_packages_the_run_says_once_how_to_build_them(folder, caplog):

@@ -105,7 +105,8 @@ class MatchedPasses(PassRunner):
         self._warned_pieces = False
         self.fresh = False  # the forward in progress owns ``job`` (``begin_forward``)
         self._capture_bytes: int | None = None  # one gradient of the layers' trainable parameters
-        self.deferred = 0  # microbatches the next calibration was put off (NOTE [ Calibrated where cheap ])
+        # microbatches the next calibration was put off (NOTE [ Calibrated where cheap ])
+        self.deferred = 0
 
     # ------------------------------------------------------------------ selection
     def begin_forward(self, args, kwargs, bucket, replayable: bool = True) -> bool:
@@ -149,14 +150,17 @@ class MatchedPasses(PassRunner):
     # predicted risk, both relative to the microbatch's own gradient (NOTE [ Risk in step units ]
     # in risk.py), and it is pooled per unit group, not per bucket. So a microbatch calibrates
     # only in a planned bucket of the shortest length met so far (over every bucket, planned or
-    # not, by the keys every rank agreed on: the same choice on every rank); one of a longer
-    # bucket puts the calibration off -- each calibration at most ``DEFER_AT_MOST`` microbatches,
-    # so that a short shape met once, or rarely, cannot hold calibration off for long.
+    # not, but those that run as GC and never calibrate: NOTE [ Never slower than GC ] in
+    # validate.py; by the keys and verdicts every rank agreed on, so the same choice on every
+    # rank); one of a longer bucket puts the calibration off -- each calibration at most
+    # ``DEFER_AT_MOST`` microbatches, so that a short shape met once, or rarely, cannot hold
+    # calibration off for long.
     DEFER_AT_MOST = 16
 
     def _cheap_here(self, bucket) -> bool:
         """Whether ``bucket``'s microbatch may calibrate now (NOTE [ Calibrated where cheap ])."""
-        shortest = min(key[1] for key in self.scheduler.buckets)
+        lengths = [b.key[1] for b in self.scheduler.buckets.values() if not b.gc_faster]
+        shortest = min(lengths, default=bucket.key[1])
         if bucket.key[1] <= shortest or self.deferred >= self.DEFER_AT_MOST:
             self.deferred = 0
             return True

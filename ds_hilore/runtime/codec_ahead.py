@@ -17,7 +17,10 @@ hash of the kernels' source, of this module and of the CPU's model and instructi
 package built for another). A run whose packages are there loads them in
 milliseconds and compiles nothing; a run without them compiles as before and says once how to
 build them (``hilore env --build-codecs``; the bench and ``make demo`` build them before their
-ranks start). A package that fails to load is said once and the kernel compiles at run time.
+ranks start). A package that does not load, or fails when run, is said and its kernel compiled
+at run time; where inductor finds no compiler nothing is built (said), and a build that fails is
+said and skipped. Each package reads the thread count at its call, as torch's own kernels do
+(``cpp.dynamic_threads``), not the building process's.
 
 The packages run the same functions as the run-time compiled kernels, with the same inductor
 setting (``emulate_precision_casts``), and the payloads and scales are bitwise the eager ones
@@ -35,6 +38,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -47,6 +51,9 @@ __all__ = ["build", "build_all", "cache_folder", "load", "load_into", "signature
 logger = logging.getLogger(__name__)
 
 _ROWS, _FEATURES = 4096, 1024  # the example inputs' sizes (NOTE [ Codec kernels built ahead ])
+# as the run-time compiled kernels (codecs.py), and the thread count read at each call, not the
+# building process's baked in (a rank may run with fewer threads than the process that built)
+_INDUCTOR = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
 
 
 def _encoder(dtype: torch.dtype, payload: torch.dtype, rows: int, features: int) -> tuple:
@@ -138,7 +145,7 @@ def build(name: str, fn: Callable, dtype: torch.dtype) -> Path:
     its package, unless it is there; returns its path. Written under a temporary name and moved
     into place, so that ranks building at once never load half a package."""
     path = _path(name, dtype)
-    if path.exists():
+    if path.exists() and _loader(path) is not None:
         return path
     make, payload, _ = _SIGNATURES[name]
     args, dims = make(dtype, payload, _ROWS, _FEATURES)
@@ -146,19 +153,19 @@ def build(name: str, fn: Callable, dtype: torch.dtype) -> Path:
     dynamic = tuple({d: sizes.setdefault(label, torch.export.Dim(label, min=2))
                      for d, label in spec.items()} for spec in dims)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
-    os.close(handle)
+    aside = tempfile.mkdtemp(prefix=".building-", dir=path.parent)  # not a package until moved
+    temporary = os.path.join(aside, path.name)
     try:
         with warnings.catch_warnings():  # torch's own deprecation notices, not the user's
             warnings.simplefilter("ignore", FutureWarning)
             program = torch.export.export(_Module(fn), args, dynamic_shapes=(dynamic,),
                                           strict=False)
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=temporary, inductor_configs={"emulate_precision_casts": True})
+            torch._inductor.aoti_compile_and_package(program, package_path=temporary,
+                                                     inductor_configs=_INDUCTOR)
+        os.chmod(temporary, 0o644)  # readable by every user of a shared cache
         os.replace(temporary, path)
     finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        shutil.rmtree(aside, ignore_errors=True)
     return path
 
 
@@ -171,16 +178,22 @@ def load(name: str, dtype: torch.dtype) -> Callable | None:
     path = _path(name, dtype)
     if not path.exists():
         return None
-    try:
-        run = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).run
-    except Exception as exc:  # noqa: BLE001 -- any loader failure: compile at run time instead
-        logger.warning("ds_hilore: the codec kernel %s built ahead at %s does not load (%s); it "
-                       "is compiled at run time instead.", name, path,
-                       (str(exc).splitlines() or ["?"])[0])
+    run = _loader(path)
+    if run is None:
+        logger.warning("ds_hilore: the codec kernel %s built ahead at %s does not load; it is "
+                       "compiled at run time instead (`hilore env --build-codecs` builds it "
+                       "again).", name, path)
         return None
     if _SIGNATURES[name][2]:
         return lambda args: tuple(run(args))
     return lambda args: run(args) and None
+
+
+def _loader(path: Path) -> Callable | None:
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).run
+    except Exception:  # noqa: BLE001 -- any loader failure: not a usable package
+        return None
 
 
 _hinted = False
@@ -210,11 +223,17 @@ def load_into(kernels, dtypes) -> None:
 
 def build_all(codec_names, dtypes, say=print) -> list[Path]:
     """Build every kernel a CPU runs for the codecs ``codec_names`` and activation ``dtypes``
-    (what is there already is kept); ``say`` gets a line per kernel built."""
+    (what is there and loads is kept); ``say`` gets a line per kernel built, or why nothing
+    could be (no compiler here, a build that failed: the runs then compile at their start, or
+    run eager, as without this). Returns the packages there."""
     import time
 
-    from ds_hilore.runtime.codecs import CODECS
+    from ds_hilore.runtime.codecs import CODECS, compile_unavailable
 
+    reason = compile_unavailable("cpu")
+    if reason is not None:
+        say(f"codec kernels not built ahead: {reason}")
+        return []
     paths = []
     for codec in codec_names:
         for kernel in CODECS[codec].kernels():
@@ -222,8 +241,14 @@ def build_all(codec_names, dtypes, say=print) -> list[Path]:
                 continue
             for dtype in dtypes:
                 begin, there = time.perf_counter(), _path(kernel.name, dtype).exists()
-                paths.append(build(kernel.name, kernel.fn, dtype))
+                label = f"{kernel.name} for {str(dtype).removeprefix('torch.')}"
+                try:
+                    paths.append(build(kernel.name, kernel.fn, dtype))
+                except Exception as exc:  # noqa: BLE001 -- any build failure: compiled at run time
+                    say(f"codec kernel {label} not built ahead ({type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or ['?'])[0]}); runs compile it at their start")
+                    continue
                 if not there:
-                    say(f"built codec kernel {kernel.name} for {str(dtype).removeprefix('torch.')} "
-                        f"in {time.perf_counter() - begin:.1f} s: {paths[-1]}")
+                    say(f"built codec kernel {label} in {time.perf_counter() - begin:.1f} s: "
+                        f"{paths[-1]}")
     return paths

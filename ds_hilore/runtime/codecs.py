@@ -229,9 +229,16 @@ class _Kernel:
         """Run the compiled kernel; _FAILED if it cannot be compiled (then use ``fn``)."""
         device_type = args[0].device.type
         if self.ahead and device_type == "cpu":  # every argument a tensor (codec_ahead.py)
-            built = self.ahead.get(tuple(a.dtype for a in args))
+            key = tuple(a.dtype for a in args)
+            built = self.ahead.get(key)
             if built is not None and all(a.is_contiguous() for a in args):
-                return built(list(args))
+                try:
+                    return built(list(args))
+                except Exception as exc:  # noqa: BLE001 -- compiled at run time from now on
+                    del self.ahead[key]
+                    logger.warning("ds_hilore: the codec kernel %s built ahead failed (%s); it "
+                                   "is compiled at run time from now on.", self.name,
+                                   (str(exc).splitlines() or ["?"])[0])
         if self._compiled is None:
             reason = compile_unavailable(device_type)
             if reason is not None:

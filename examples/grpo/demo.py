@@ -40,7 +40,8 @@ def run_arms(args, extra: list[str]) -> dict[str, Path]:
     out = Path(args.output_dir)
     # the codec's kernels, once per machine, before the runs (NOTE [ Codec kernels built ahead ]
     # in ds_hilore/runtime/codec_ahead.py): the HiLoRe run then loads them, as later runs would
-    build_all(["int8"], [torch.float32], say=lambda line: print(line, flush=True))
+    if not torch.cuda.is_available():  # CPU kernels only
+        build_all(["int8"], [torch.float32], say=lambda line: print(line, flush=True))
     trainer_args = [*DEMO_ARGS, "--seed", str(args.seed), "--warm_start_dir", str(out / "warm_start"), *extra]
     for arm in ARMS:
         launch(arm, out / arm.name.lower(), trainer_args, args.nprocs)
