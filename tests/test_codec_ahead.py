@@ -50,7 +50,7 @@ def _inputs():
 @pytest.mark.slow
 @needs_compile
 def test_kernels_built_ahead_load_without_compiling_and_match_eager_bitwise(folder):
-    paths = codec_ahead.build_all(["int8"], [torch.float32], say=lambda line: None)
+    paths = codecs.build_ahead(["int8"], [torch.float32], say=lambda line: None)
     assert {p.name for p in paths} == {"_int8_encode-float32.pt2", "_int8_encode_fast-float32.pt2",
                                        "_int8_rescale-float32.pt2"}
     assert all(p.parent == codec_ahead.cache_folder() and p.parent.parent.parent == folder
@@ -80,7 +80,7 @@ def test_kernels_built_ahead_load_without_compiling_and_match_eager_bitwise(fold
     assert compiled_graph_counts() == before  # nothing was compiled at run time
     # a second build finds them there and builds nothing
     said = []
-    assert codec_ahead.build_all(["int8"], [torch.float32], say=said.append) == paths and said == []
+    assert codecs.build_ahead(["int8"], [torch.float32], say=said.append) == paths and said == []
 
 
 def test_a_package_that_does_not_load_is_said_and_compiled_at_run_time(folder, caplog):
@@ -105,6 +105,14 @@ def test_a_built_kernel_that_fails_is_dropped_and_said(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="ds_hilore"):
         assert kernel.compiled(torch.ones(4, 8)) is codecs._FAILED  # then the eager kernel
     assert kernel.ahead == {} and "built ahead failed" in caplog.text
+
+
+def test_without_a_compiler_nothing_is_built_and_that_is_said(folder):
+    said = []
+    assert codec_ahead.build_all(INT8, [torch.float32], say=said.append,
+                                 unavailable="inductor finds no C++ compiler (test)") == []
+    assert said == ["codec kernels not built ahead: inductor finds no C++ compiler (test)"]
+    assert not codec_ahead.cache_folder().exists()
 
 
 def test_without_packages_the_run_says_once_how_to_build_them(folder, caplog):

@@ -45,9 +45,9 @@ def main(args) -> int:
     status (1 when nothing was timed)."""
     config = check_args(args)  # 1. options
     if config.codec_backend == "compile" and config.device == "cpu":  # once per machine
-        from ds_hilore.runtime.codec_ahead import build_all  # NOTE [ Codec kernels built ahead ]
+        from ds_hilore.runtime.codecs import build_ahead  # NOTE [ Codec kernels built ahead ]
 
-        build_all(["int8"], [torch_dtype(config.dtype)], say=_say)
+        build_ahead(["int8"], [torch_dtype(config.dtype)], say=_say)
     conductor = Conductor(config, args.json)
     samples = run_ranks(config, conductor)  # 2. the ranks: data, engines, rounds
     if samples is None:

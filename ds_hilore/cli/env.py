@@ -63,11 +63,10 @@ def _build_codecs(names: list[str]) -> None:
     """NOTE [ Codec kernels built ahead ] in runtime/codec_ahead.py"""
     import torch
 
-    from ds_hilore.runtime.codec_ahead import build_all
-    from ds_hilore.runtime.codecs import CODECS
+    from ds_hilore.runtime.codecs import CODECS, build_ahead
 
-    build_all(list(CODECS), [getattr(torch, DTYPES[n]) for n in names],
-              say=lambda line: print(line, flush=True))
+    build_ahead(list(CODECS), [getattr(torch, DTYPES[n]) for n in names],
+                say=lambda line: print(line, flush=True))
 
 
 def _version(name: str) -> str:

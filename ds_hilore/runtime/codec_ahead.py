@@ -100,11 +100,9 @@ def _key(name: str, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
 @functools.lru_cache(maxsize=None)
 def cache_folder() -> Path:
     """Where this code's packages live on this machine (NOTE [ Codec kernels built ahead ])."""
-    from ds_hilore.runtime import codecs
-
     digest = hashlib.sha256()
-    for path in (codecs.__file__, __file__):
-        digest.update(Path(path).read_bytes())
+    for path in (Path(__file__).with_name("codecs.py"), Path(__file__)):  # the kernels, this
+        digest.update(path.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_model().encode())
     capability = torch.backends.cpu.get_cpu_capability()
@@ -221,34 +219,31 @@ def load_into(kernels, dtypes) -> None:
                     ", ".join(missing), cache_folder())
 
 
-def build_all(codec_names, dtypes, say=print) -> list[Path]:
-    """Build every kernel a CPU runs for the codecs ``codec_names`` and activation ``dtypes``
-    (what is there and loads is kept); ``say`` gets a line per kernel built, or why nothing
-    could be (no compiler here, a build that failed: the runs then compile at their start, or
-    run eager, as without this). Returns the packages there."""
+def build_all(kernels, dtypes, say=print, unavailable: str | None = None) -> list[Path]:
+    """Build each of ``kernels`` (codecs.py's ``_Kernel``) that a CPU runs, for activation
+    ``dtypes`` (what is there and loads is kept); ``say`` gets a line per kernel built, or why
+    nothing could be (``unavailable``: why inductor cannot compile here; a build that failed:
+    the runs then compile at their start, or run eager, as without this). Returns the packages
+    there. ``codecs.build_ahead`` calls it by codec name."""
     import time
 
-    from ds_hilore.runtime.codecs import CODECS, compile_unavailable
-
-    reason = compile_unavailable("cpu")
-    if reason is not None:
-        say(f"codec kernels not built ahead: {reason}")
+    if unavailable is not None:
+        say(f"codec kernels not built ahead: {unavailable}")
         return []
     paths = []
-    for codec in codec_names:
-        for kernel in CODECS[codec].kernels():
-            if not signature(kernel.name):
+    for kernel in kernels:
+        if not signature(kernel.name):
+            continue
+        for dtype in dtypes:
+            begin, there = time.perf_counter(), _path(kernel.name, dtype).exists()
+            label = f"{kernel.name} for {str(dtype).removeprefix('torch.')}"
+            try:
+                paths.append(build(kernel.name, kernel.fn, dtype))
+            except Exception as exc:  # noqa: BLE001 -- any build failure: compiled at run time
+                say(f"codec kernel {label} not built ahead ({type(exc).__name__}: "
+                    f"{(str(exc).splitlines() or ['?'])[0]}); runs compile it at their start")
                 continue
-            for dtype in dtypes:
-                begin, there = time.perf_counter(), _path(kernel.name, dtype).exists()
-                label = f"{kernel.name} for {str(dtype).removeprefix('torch.')}"
-                try:
-                    paths.append(build(kernel.name, kernel.fn, dtype))
-                except Exception as exc:  # noqa: BLE001 -- any build failure: compiled at run time
-                    say(f"codec kernel {label} not built ahead ({type(exc).__name__}: "
-                        f"{(str(exc).splitlines() or ['?'])[0]}); runs compile it at their start")
-                    continue
-                if not there:
-                    say(f"built codec kernel {label} in {time.perf_counter() - begin:.1f} s: "
-                        f"{paths[-1]}")
+            if not there:
+                say(f"built codec kernel {label} in {time.perf_counter() - begin:.1f} s: "
+                    f"{paths[-1]}")
     return paths

@@ -33,8 +33,8 @@ from ds_hilore._errors import HiLoReConfigError, bug
 from ds_hilore.runtime import codec_ahead
 from ds_hilore.runtime.memory import live_storage_bytes
 
-__all__ = ["CODECS", "CODEC_BACKENDS", "Codec", "CodecSpec", "Packed", "codec_from_config",
-           "compile_unavailable", "compiled_graph_counts", "get_codec"]
+__all__ = ["CODECS", "CODEC_BACKENDS", "Codec", "CodecSpec", "Packed", "build_ahead",
+           "codec_from_config", "compile_unavailable", "compiled_graph_counts", "get_codec"]
 
 logger = logging.getLogger(__name__)
 
@@ -527,6 +527,13 @@ _OPTION_RULES: Mapping[str, tuple[str, Callable[[Any], bool], str]] = MappingPro
     "fp8_block_size": ("fp8_block_size", lambda v: isinstance(v, int) and not isinstance(v, bool)
                        and v > 0, "a positive integer"),
 })
+
+
+def build_ahead(codec_names, dtypes, say=print) -> list:
+    """Build the CPU kernels of the codecs ``codec_names`` for activation ``dtypes`` ahead, once
+    per machine (NOTE [ Codec kernels built ahead ] in codec_ahead.py); the packages there."""
+    kernels = [k for name in codec_names for k in CODECS[name].kernels()]
+    return codec_ahead.build_all(kernels, dtypes, say, compile_unavailable("cpu"))
 
 
 def compiled_graph_counts() -> dict[str, int]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ds_hilore.runtime.codec_ahead import build_all
+from ds_hilore.runtime.codecs import build_ahead
 from examples.grpo.accounting import account
 from examples.grpo.compare import ARMS, DEMO_ARGS, fmt, launch, table
 from examples.grpo.figure import plot
@@ -41,7 +41,7 @@ def run_arms(args, extra: list[str]) -> dict[str, Path]:
     # the codec's kernels, once per machine, before the runs (NOTE [ Codec kernels built ahead ]
     # in ds_hilore/runtime/codec_ahead.py): the HiLoRe run then loads them, as later runs would
     if not torch.cuda.is_available():  # CPU kernels only
-        build_all(["int8"], [torch.float32], say=lambda line: print(line, flush=True))
+        build_ahead(["int8"], [torch.float32], say=lambda line: print(line, flush=True))
     trainer_args = [*DEMO_ARGS, "--seed", str(args.seed), "--warm_start_dir", str(out / "warm_start"), *extra]
     for arm in ARMS:
         launch(arm, out / arm.name.lower(), trainer_args, args.nprocs)
