@@ -50,7 +50,7 @@ def free_port() -> int:
 
 def write_result(result_dir: str | os.PathLike, rank: int, payload: dict) -> None:
     """Worker side, its last call: write this rank's result as ``rank{rank}.json`` (atomically),
-    then end torch.distributed (NOTE [ Ending the process group ])."""
+    then end torch.distributed and the process (NOTE [ Ending the process group ])."""
     path = Path(result_dir) / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
@@ -94,14 +94,21 @@ def run_cases(worker: str, cases: list[str], run: Callable[[str], dict], result_
 # shuts down ("terminate called without an active exception": gloo's worker threads can still
 # hold work whose tensors the finalizing interpreter frees); a rank did so now and then, and its
 # launch failed. Every rank therefore meets the others at a barrier and destroys its process groups
-# before it exits.
+# before it exits. That made it rarer, not impossible (a clean-clone run aborted twice in a row,
+# after the destroy): with its result written, a worker has nothing left for the interpreter's
+# shutdown to do, so it flushes its output and leaves at once (os._exit), running no C++ static
+# destructor and joining no thread.
 def end_distributed() -> None:
-    """Barrier, then ``destroy_process_group()``, when torch.distributed is up."""
+    """Barrier, then ``destroy_process_group()``, when torch.distributed is up; then end the
+    process with exit code 0 without the interpreter's shutdown. A worker's last call."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _command(script: Path, args: list[str], nprocs: int, launcher: str, port: int,
