@@ -11,6 +11,7 @@ from the counter at its start, and the budget is clamped to what the device can 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -297,6 +298,31 @@ def test_a_partial_check_is_repeated_and_gives_no_credit(scheduler, credited):
     bucket.plan = dataclasses.replace(bucket.plan, actions={"w": "H"})
     _checked(scheduler, bucket, cuda, 640, partial=True)  # a partial overshoot still cuts
     assert bucket.headroom_cut == 46 * MiB and planned == [-46 * MiB]
+
+
+def test_a_plan_checked_only_in_part_keeps_a_margin_under_the_budget(scheduler, credited, caplog):
+    from ds_hilore.plan.metering import MAX_PARTIAL
+
+    caplog.set_level(logging.INFO, logger="ds_hilore")
+    bucket, planned, cuda = credited  # 600 MiB budget, a margin of 6 MiB
+    bucket.plan = dataclasses.replace(bucket.plan, headroom_bytes=210 * MiB)  # 10 MiB of slack
+    first = bucket.plan
+    readings = [590, 597, 580]  # partial checks; the highest 3 MiB under the budget
+    for k, peak in enumerate(readings):
+        cuda.peak = cuda.allocated  # each window exact
+        _checked(scheduler, bucket, cuda, peak, partial=True)
+        assert (bucket.checked is None) is (k < MAX_PARTIAL - 1), k
+    # not taken as fitting: planned again with its price 3 + 10 MiB lower (the reading a
+    # margin under, the slack gone)
+    assert bucket.fit_actions != first.actions and bucket.overshot and bucket.credits == 0
+    assert bucket.headroom_cut == (-3 + 6 + 10) * MiB and planned == [-13 * MiB]
+    assert any("checked only on microbatches that kept less" in r.getMessage() for r in caplog.records)
+    assert scheduler.metering.awaits_check(bucket)  # the new plan is checked in turn
+    for _ in range(MAX_PARTIAL):  # readings a margin under: taken as fitting
+        cuda.peak = cuda.allocated
+        _checked(scheduler, bucket, cuda, 593, partial=True)
+    assert bucket.checked is bucket.plan and bucket.fit_actions == bucket.plan.actions
+    assert len(planned) == 1
 
 
 @pytest.mark.parametrize("relative", [True, False], ids=["relative", "absolute"])

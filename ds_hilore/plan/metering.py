@@ -76,7 +76,7 @@ class Metering(PlanChecks):
         self.check_budget = 0  # the budget at this rank's length (``budget_at``)
         # in use at its start, less gradients (NOTE [ Growth that is not the plan's ] in checks.py)
         self.check_base = 0
-        self.partial_checks: dict[tuple, tuple] = {}  # bucket key -> (actions, partial checks)
+        self.partial_checks: dict[tuple, tuple] = {}  # key -> (actions, checks, highest over)
         self.step_meter: tuple[int, DevicePeak] | None = None  # CUDA: (step, the step's window)
         # NOTE [ Memory that appears after profiling ]: in use at a step's first forward, by
         # step; buckets planned in a step, charged at the next one's start
