@@ -33,6 +33,18 @@ def test_peak_meter_keeps_the_peak_of_a_tensor_freed_before_exit():
     del small
 
 
+def test_peak_meter_reads_after_ops_that_allocate_not_after_views():
+    # NOTE [ Read after ops that allocate ]: a view allocates nothing, so it is not read
+    x = torch.randn(1024, 1024)
+    with PeakMeter("cpu") as meter:
+        y = x.view(-1).t().detach()  # three views: no reading
+        z = x @ x  # allocates 4 MiB: read
+        v = z.t()
+    assert meter.samples == 2  # the matmul's reading and the exit's
+    assert meter.peak_delta >= 4 * MiB
+    del y, z, v
+
+
 def test_peak_meter_sees_backward_ops():
     # tanh saves its 64 MiB output; its backward allocates a 64 MiB gradient while that output
     # is still alive and frees both before backward returns. Only a meter that samples during
