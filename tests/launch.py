@@ -17,6 +17,7 @@ writes their result).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -106,8 +107,12 @@ def end_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    mpi = sys.modules.get("mpi4py.MPI")  # mpirun: MPI_Finalize, which the skipped atexit would run
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)  # C and C++ output not yet written to a redirected log
     os._exit(0)
 
 

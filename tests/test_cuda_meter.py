@@ -316,6 +316,7 @@ def test_a_plan_checked_only_in_part_keeps_a_margin_under_the_budget(scheduler, 
     # margin under, the slack gone)
     assert bucket.fit_actions != first.actions and bucket.overshot and bucket.credits == 0
     assert bucket.headroom_cut == (-3 + 6 + 10) * MiB and planned == [-13 * MiB]
+    assert bucket.key not in scheduler.metering.partial_checks  # the new plan's count afresh
     assert any("checked only on microbatches that kept less" in r.getMessage() for r in caplog.records)
     assert scheduler.metering.awaits_check(bucket)  # the new plan is checked in turn
     for _ in range(MAX_PARTIAL):  # readings a margin under: taken as fitting
@@ -358,3 +359,36 @@ def test_memory_the_process_grew_by_before_a_check_is_no_overshoot_of_the_plan(
         assert planned == [(180 * MiB, 380 * MiB)] and bucket.fit_actions is None
         assert "80.0 MiB in use appeared after 2x8 was profiled" in caplog.text
     assert "over the memory budget" not in caplog.text
+
+
+def test_a_plan_checked_only_in_part_near_the_budget_has_its_growth_charged(
+        scheduler, monkeypatch, caplog):
+    """NOTE [ A plan checked only in part ] with NOTE [ Growth that is not the plan's ]: under an
+    absolute budget, partial checks that start 80 MiB above the profile's baseline and, without
+    that growth, peak 3 MiB under the budget both keep the margin (the headroom cut) and charge
+    the growth (the bucket's baseline and GC's peak raised) before the bucket is planned again."""
+    from ds_hilore.plan.allocate import Plan
+    from ds_hilore.plan.metering import MAX_PARTIAL
+    from ds_hilore.plan.profile import BucketProfile, Profiler
+    from ds_hilore.plan.scheduler import Bucket
+
+    scheduler.config = HiLoReConfig(memory_budget_bytes=600 * MiB)
+    profile = BucketProfile((2, 8), [], gc_peak_bytes=300 * MiB, baseline_bytes=100 * MiB,
+                            repeats=1, seconds=0.0)
+    plan = Plan({"u": "H"}, 250 * MiB, 1.0, 0.0, 260 * MiB, 0.0)  # 10 MiB of slack
+    bucket = Bucket((2, 8), Profiler((2, 8), 1), profile, plan=plan, budget_bytes=600 * MiB,
+                    priced_gc_peak=300 * MiB)
+    planned = []
+    monkeypatch.setattr(scheduler, "_plan_bucket", lambda b, profiled=True: planned.append(
+        (b.profile.baseline_bytes, b.profile.gc_peak_bytes)))
+    cuda = _FakeCuda(allocated=180 * MiB, peak=180 * MiB, reserved=180 * MiB)
+    cuda.install(monkeypatch)
+    with caplog.at_level("INFO", logger="ds_hilore"):
+        for _ in range(MAX_PARTIAL):
+            cuda.peak = cuda.allocated
+            _checked(scheduler, bucket, cuda, 677, partial=True)
+    assert bucket.headroom_cut == (-3 + 6 + 10) * MiB and bucket.overshot
+    assert planned == [(180 * MiB, 380 * MiB)] and bucket.fit_actions is None
+    assert "80.0 MiB in use appeared after 2x8 was profiled" in caplog.text
+    assert "checked only on microbatches that kept less" in caplog.text
+    assert bucket.key not in scheduler.metering.partial_checks  # the next plan's count afresh

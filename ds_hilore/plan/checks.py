@@ -149,11 +149,10 @@ class PlanChecks:
             bucket.fit_actions = dict(plan.actions)
         if plan is not bucket.plan:
             return
-        if near:
-            self._keep_margin(bucket, plan, over, margin)
-            return
         charged = grown > margin and not self._relative(bucket)  # NOTE [ Growth that is not
-        if over <= 0 and not charged:  # the plan's ]
+        if near:  # the plan's ]
+            self._keep_margin(bucket, plan, over, margin)
+        elif over <= 0 and not charged:
             if not partial and under_gc <= 0 and self.check_length == bucket.key[1] and \
                     bucket.loo is None:
                 self._credit(bucket, -short, margin)
@@ -182,8 +181,11 @@ class PlanChecks:
     # least 1 MiB) is planned again below it: the headroom is lowered by what the plan's price
     # must fall for its highest reading to sit a margin under the budget (the price's slack
     # under the old headroom, plus the reading's distance from budget less margin), the same
-    # on every rank (the readings are the max over ranks). The new plan is checked in turn.
+    # on every rank (the readings are the max over ranks). The new plan is checked in turn,
+    # from its own readings; growth an absolute budget charges is charged as after any check.
     def _keep_margin(self, bucket, plan, over: float, margin: int) -> None:
+        """Lower the headroom of ``bucket`` so that its next plan peaks a margin under the
+        budget; the caller plans it again."""
         cut = int(over) + margin + max(0, plan.headroom_bytes - plan.peak_over_gc_bytes)
         logger.info("ds_hilore: the plan for %dx%d, checked only on microbatches that kept less "
                     "than it, peaked %.1f MiB under the memory budget (%.1f MiB), within the "
@@ -192,7 +194,7 @@ class PlanChecks:
                     cut / 2**20)
         bucket.headroom_cut += cut
         bucket.overshot = True  # no credit from then on
-        self.s._plan_bucket(bucket, profiled=False)
+        self.partial_checks.pop(bucket.key, None)  # the new plan's readings start afresh
 
     # NOTE [ Growth that is not the plan's ]
     # A check reads the whole process, and the process grows for reasons of its own: under CPU
