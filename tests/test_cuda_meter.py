@@ -326,22 +326,19 @@ def test_a_plan_checked_only_in_part_keeps_a_margin_under_the_budget(scheduler, 
     assert len(planned) == 1
 
 
-@pytest.mark.parametrize("relative", [True, False], ids=["relative", "absolute"])
-def test_memory_the_process_grew_by_before_a_check_is_no_overshoot_of_the_plan(
-        scheduler, monkeypatch, caplog, relative):
-    """NOTE [ Growth that is not the plan's ]: the check's microbatch starts with 80 MiB more in
-    use than the profile's baseline (caches the process grew by since) and peaks 40 MiB over
-    the budget: 40 under it without that growth, so no cut and no overshoot; under an absolute
-    budget the growth is charged to the bucket, which is planned again."""
+def _grown(scheduler, monkeypatch, config: dict, headroom_mib: int):
+    """A 2x8 bucket under a 600 MiB budget (``config``), profiled at a 100 MiB baseline and a
+    300 MiB GC peak, its plan keeping 250 MiB within ``headroom_mib``; each re-plan recorded as
+    (baseline, GC peak); the device holds 180 MiB: 80 more than the baseline.
+    Returns (profile, plan, bucket, planned, cuda)."""
     from ds_hilore.plan.allocate import Plan
     from ds_hilore.plan.profile import BucketProfile, Profiler
     from ds_hilore.plan.scheduler import Bucket
 
-    scheduler.config = HiLoReConfig(**({"memory_budget": 2.0} if relative else
-                                       {"memory_budget_bytes": 600 * MiB}))
+    scheduler.config = HiLoReConfig(**config)
     profile = BucketProfile((2, 8), [], gc_peak_bytes=300 * MiB, baseline_bytes=100 * MiB,
                             repeats=1, seconds=0.0)
-    plan = Plan({"u": "H"}, 250 * MiB, 1.0, 0.0, 300 * MiB, 0.0)
+    plan = Plan({"u": "H"}, 250 * MiB, 1.0, 0.0, headroom_mib * MiB, 0.0)
     bucket = Bucket((2, 8), Profiler((2, 8), 1), profile, plan=plan, budget_bytes=600 * MiB,
                     priced_gc_peak=300 * MiB)
     planned = []
@@ -349,6 +346,18 @@ def test_memory_the_process_grew_by_before_a_check_is_no_overshoot_of_the_plan(
         (b.profile.baseline_bytes, b.profile.gc_peak_bytes)))
     cuda = _FakeCuda(allocated=180 * MiB, peak=180 * MiB, reserved=180 * MiB)
     cuda.install(monkeypatch)
+    return profile, plan, bucket, planned, cuda
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["relative", "absolute"])
+def test_memory_the_process_grew_by_before_a_check_is_no_overshoot_of_the_plan(
+        scheduler, monkeypatch, caplog, relative):
+    """NOTE [ Growth that is not the plan's ]: the check's microbatch starts with 80 MiB more in
+    use than the profile's baseline (caches the process grew by since) and peaks 40 MiB over
+    the budget: 40 under it without that growth, so no cut and no overshoot; under an absolute
+    budget the growth is charged to the bucket, which is planned again."""
+    config = {"memory_budget": 2.0} if relative else {"memory_budget_bytes": 600 * MiB}
+    profile, plan, bucket, planned, cuda = _grown(scheduler, monkeypatch, config, 300)
     with caplog.at_level("INFO", logger="ds_hilore"):
         _checked(scheduler, bucket, cuda, 640)
     assert bucket.checked is plan and bucket.headroom_cut == 0 and not bucket.overshot
@@ -367,22 +376,10 @@ def test_a_plan_checked_only_in_part_near_the_budget_has_its_growth_charged(
     absolute budget, partial checks that start 80 MiB above the profile's baseline and, without
     that growth, peak 3 MiB under the budget both keep the margin (the headroom cut) and charge
     the growth (the bucket's baseline and GC's peak raised) before the bucket is planned again."""
-    from ds_hilore.plan.allocate import Plan
     from ds_hilore.plan.metering import MAX_PARTIAL
-    from ds_hilore.plan.profile import BucketProfile, Profiler
-    from ds_hilore.plan.scheduler import Bucket
 
-    scheduler.config = HiLoReConfig(memory_budget_bytes=600 * MiB)
-    profile = BucketProfile((2, 8), [], gc_peak_bytes=300 * MiB, baseline_bytes=100 * MiB,
-                            repeats=1, seconds=0.0)
-    plan = Plan({"u": "H"}, 250 * MiB, 1.0, 0.0, 260 * MiB, 0.0)  # 10 MiB of slack
-    bucket = Bucket((2, 8), Profiler((2, 8), 1), profile, plan=plan, budget_bytes=600 * MiB,
-                    priced_gc_peak=300 * MiB)
-    planned = []
-    monkeypatch.setattr(scheduler, "_plan_bucket", lambda b, profiled=True: planned.append(
-        (b.profile.baseline_bytes, b.profile.gc_peak_bytes)))
-    cuda = _FakeCuda(allocated=180 * MiB, peak=180 * MiB, reserved=180 * MiB)
-    cuda.install(monkeypatch)
+    config = {"memory_budget_bytes": 600 * MiB}
+    _, _, bucket, planned, cuda = _grown(scheduler, monkeypatch, config, 260)  # 10 MiB of slack
     with caplog.at_level("INFO", logger="ds_hilore"):
         for _ in range(MAX_PARTIAL):
             cuda.peak = cuda.allocated
