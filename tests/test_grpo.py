@@ -376,6 +376,43 @@ def test_token_logprobs_equal_direct_computation(dtype, with_bias, frozen, tempe
         assert head.weight.grad is None
 
 
+def test_token_logprobs_backward_skips_positions_without_gradient():
+    """Positions whose ∂L/∂logp is zero (a zero-advantage sequence, masked prompt positions)
+    cost no backward: the gradients equal the direct computation's, those rows of ∂h are zero,
+    and the backward's FLOPs are those of the other positions only (NOTE [ Chunked log-probs ])."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = torch.Generator().manual_seed(1)
+    b, t, h, v = 4, 12, 16, 64
+    hidden = torch.randn(b, t, h, generator=g).requires_grad_()
+    head = torch.nn.Linear(h, v, bias=True)
+    targets = torch.randint(0, v, (b, t), generator=g)
+    upstream = torch.randn(b, t, generator=g)
+    upstream[1] = 0.0  # a sequence with A = 0
+    upstream[:, :3] = 0.0  # its prompt, masked
+    live = int((upstream != 0).sum())
+
+    chunked = lambda hd, w, bs, tg: token_logprobs(hd, w, tg, bias=bs, chunk_size=7)  # noqa: E731
+    got, got_grads = _values_and_grads(chunked, hidden, head.weight, head.bias, targets, upstream)
+    want, want_grads = _values_and_grads(_direct_logprobs, hidden, head.weight, head.bias, targets,
+                                         upstream)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_grads[0][upstream == 0], torch.zeros(b * t - live, h))
+
+    def backward_flops(weights):
+        hidden.grad = head.weight.grad = head.bias.grad = None
+        out = token_logprobs(hidden, head, targets, chunk_size=7)
+        with FlopCounterMode(display=False) as counter:
+            (out * weights).sum().backward()
+        return counter.get_total_flops()
+
+    every = backward_flops(torch.ones(b, t))  # the head's matmuls over every position
+    assert every >= 2 * 2 * b * t * h * v  # at least the recompute and ∂h
+    assert backward_flops(upstream) * (b * t) == every * live
+
+
 def test_token_logprobs_accepts_a_linear_and_checks_its_inputs():
     head = torch.nn.Linear(8, 20)
     hidden, targets = torch.randn(2, 4, 8), torch.randint(0, 20, (2, 4))

@@ -5,7 +5,7 @@ Every function is a collective: the ranks open the same runs, in the same order,
 together. What a rank measures goes to its ``record`` (raw, its own); what every rank holds
 alike (gradient errors, summed over ranks; HiLoRe's stats, rank 0's) to ``shared``.
 
-1. Warm-up, one run at a time: a HiLoRe allocator steps until two steps in a row did no
+1. Warm-up, one run at a time: a run with HiLoRe's scheduler (an allocator, a plan pinned by a pattern) steps until two steps in a row did no
    warm-up work (``stats.step_work``: profiling, planning, calibration, leave-one-out), at
    most ``MAX_WARMUP``; any other run one step (its first allocations). Each step's time and
    work is kept.
@@ -129,7 +129,8 @@ def warm_up_run(run: Run, steps, device: str, link) -> tuple[list, list, bool]:
     """``run`` stepped until warmed up (see the module docstring): each step's (wall, CPU)
     seconds on this rank, each step's warm-up work, and whether it ended warmed up."""
     times, work, steady = [], [], 0
-    runtime = run.engine.hilore if METHODS[run.method].allocator else None
+    runtime = getattr(run.engine, "hilore", None)
+    runtime = runtime if runtime is not None and runtime.policy is not None else None
     validates = runtime is not None and runtime.config.plan_validation_microbatches > 0
     before = None if runtime is None else runtime.stats
     while len(times) < (MAX_WARMUP if runtime is not None else 1):

@@ -16,6 +16,13 @@ and in backward; what is saved for backward is the hidden state (which the head'
 save anyway), the targets and a reference to the weight. The price is one extra head matmul per
 chunk in backward (the recompute), the same trade as activation checkpointing.
 
+A position whose gradient g is zero adds nothing to any of the three gradients (its ∂/∂logits
+is g · (...) = 0), and in a GRPO update most are: prompt and padding positions (masked out of
+the loss), tokens clipped off-policy, every position of a sequence whose advantage is zero
+(β = 0). The backward reads once where g is not zero and recomputes, softmaxes and multiplies
+the logits of those positions only, gathered into chunks of ``chunk_size``; the rows of ∂h at
+the others are zero. Where every g is non-zero, the chunks are the forward's, as before.
+
 Precision: the matmul runs in ``promote_types(hidden.dtype, weight.dtype)`` with autocast off
 (the recompute in backward must see exactly the forward's logits, and backward runs outside the
 caller's autocast region); logits and the softmax are fp32; the weight and bias gradients are
@@ -63,21 +70,23 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        grad_h = torch.empty_like(hidden) if need_h else None  # (N, H)
+        grad_h = torch.zeros_like(hidden) if need_h else None  # (N, H); rows of zero g stay 0
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         grad_out = grad_out.float()
+        live = torch.nonzero(grad_out).squeeze(1)  # (M,) positions with a gradient: the one read
+        every = live.shape[0] == hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
-            for s in range(0, hidden.shape[0], ctx.chunk_size):
+            for s in range(0, live.shape[0], ctx.chunk_size):
                 e = s + ctx.chunk_size
-                h = hidden[s:e]
-                g = grad_out[s:e, None]  # (c, 1)
+                rows = slice(s, e) if every else live[s:e]  # the forward's chunk, or gathered
+                h, t, g = hidden[rows], targets[rows, None], grad_out[rows, None]  # (c, H) (c, 1) (c, 1)
                 dlogits = torch.softmax(_chunk_logits(h, weight, bias, ctx.temperature), dim=-1)  # (c, V)
-                dlogits.mul_(-g).scatter_add_(1, targets[s:e, None], g)  # g · (onehot - p)
+                dlogits.mul_(-g).scatter_add_(1, t, g)  # g · (onehot - p)
                 if ctx.temperature != 1.0:
                     dlogits.div_(ctx.temperature)
                 if need_h:
-                    grad_h[s:e] = (dlogits.to(dtype) @ weight.to(dtype)).to(hidden.dtype)
+                    grad_h[rows] = (dlogits.to(dtype) @ weight.to(dtype)).to(hidden.dtype)
                 if need_w:
                     grad_w.addmm_(dlogits.t(), h.float())
                 if need_b:
