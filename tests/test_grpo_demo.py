@@ -182,3 +182,52 @@ def test_gc_recomputes_a_share_of_the_update_flops_and_training_state_is_left_al
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not model.get_base_model().is_activation_checkpointing  # that run had none
+
+
+# ---------------------------------------------------------------------------------------------
+# NOTE [ Runs in turns ] (examples/grpo/turns.py): two processes, each phase in turns
+# ---------------------------------------------------------------------------------------------
+def _take_turns(folder: str, arm: int, log: str) -> None:
+    import time
+
+    from examples.grpo.turns import Turns
+
+    turns = Turns(folder, arm, 2)
+    turns.ready()
+    for phase in range(4):
+        with turns.turn(phase):
+            with open(log, "a") as f:
+                f.write(f"begin {phase} {arm}\n")
+            time.sleep(0.02)  # a phase's work: the other run must not begin meanwhile
+            with open(log, "a") as f:
+                f.write(f"end {phase} {arm}\n")
+
+
+def test_runs_in_turns_take_every_phase_one_after_the_other(tmp_path):
+    import multiprocessing
+
+    from examples.grpo.turns import first_turn
+
+    log = tmp_path / "log"
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_take_turns, args=(str(tmp_path), arm, str(log))) for arm in (1, 0)]
+    for p in procs:
+        p.start()
+    first_turn(tmp_path)
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    want = [f"{what} {phase} {arm}" for phase in range(4) for arm in (0, 1) for what in ("begin", "end")]
+    assert log.read_text().split("\n")[:-1] == want
+    assert sorted(x.name for x in tmp_path.glob("ready.*")) == ["ready.0", "ready.1"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--turn", "2/2"], r"--turn '2/2': expected ARM/ARMS with 0 <= ARM < ARMS"),
+    (["--turns", "no/such/folder"], r"--turns no/such/folder: runs in turns start from step 0"),
+])
+def test_runs_in_turns_refuse_a_bad_place_or_folder(argv, message):
+    from examples.grpo.arguments import UsageError, parse_args
+
+    with pytest.raises(UsageError, match=message):
+        parse_args(["--actor_model_name_or_path", "qwen2-small", *argv])

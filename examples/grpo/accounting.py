@@ -5,8 +5,8 @@
 
 NOTE [ The demo's accounting ]
 Both runs are seeded alike and see the same prompts, so step i of one is paired with step i of
-the other: the same rollout shapes (bitwise the same rollouts while the trajectories agree) at
-nearly the same moment of the machine's load. Times are each step's actor update, the slowest
+the other: the same rollout shapes (bitwise the same rollouts while the trajectories agree),
+run back to back (NOTE [ Runs in turns ] in turns.py), under the same load of the machine. Times are each step's actor update, the slowest
 rank's; generation and evaluation are left out (HiLoRe changes neither).
 
 * Warm-up steps: those in which HiLoRe learned (its ``stats["warm_up"]`` non-empty on any rank:

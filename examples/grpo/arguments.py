@@ -16,6 +16,7 @@ from ds_hilore.grpo.losses import LOSS_TYPES
 
 from .model import PRESETS
 from .task import REWARDS, TASKS
+from .turns import parse_turn
 
 __all__ = ["UsageError", "parse_args"]
 
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--save_interval", type=int, default=0, help="DeepSpeed checkpoint every N steps (0: off)")
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUTPUT_DIR")
     run.add_argument("--result_dir", default=None, help="also write each rank's summary here (tests)")
+    run.add_argument("--turns", default=None,
+                     help="a folder shared with other runs started at once: the runs take each step "
+                          "in turns (make demo; NOTE [ Runs in turns ] in examples/grpo/turns.py)")
+    run.add_argument("--turn", default="0/1", help="with --turns: this run's place ARM/ARMS, e.g. 0/2")
     run.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     run.add_argument("--master_port", type=int, default=29500, help="port of rank 0 (mpirun)")
     return p
@@ -148,6 +153,13 @@ def check(args: argparse.Namespace) -> None:
                          "still has a gradient.")
     if not args.temperature > 0:
         raise UsageError(f"--temperature {args.temperature}: must be > 0.")
+    try:
+        args.turn = parse_turn(args.turn)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.turns is not None and (args.resume or not Path(args.turns).is_dir()):
+        raise UsageError(f"--turns {args.turns}: runs in turns start from step 0 (no --resume) and share "
+                         "an existing folder; create it first.")
 
 
 def _check_lengths(args: argparse.Namespace) -> None:

@@ -11,15 +11,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-__all__ = ["ARMS", "Arm", "DEMO_ARGS", "PAIRED_ARGS", "launch"]
+from examples.grpo.turns import first_turn
+
+__all__ = ["ARMS", "Arm", "DEMO_ARGS", "PAIRED_ARGS", "launch", "launch_in_turns"]
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -79,8 +85,7 @@ def launch(arm: Arm, output_dir: Path, trainer_args: Sequence[str], nprocs: int 
         print(f"\n=== {arm.name}: reusing the finished run in {output_dir}", flush=True)
         return json.loads((Path(output_dir) / "summary.json").read_text())
     port = _free_port()
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), "--master_port",
-           str(port), "--module", "examples.grpo.train", *args]
+    cmd = _command(args, nprocs, port)
     print(f"\n=== {arm.name}: {' '.join(cmd[1:])}", flush=True)
     try:
         done = subprocess.run(cmd, cwd=REPO_ROOT, env=_environment(nprocs))
@@ -90,6 +95,67 @@ def launch(arm: Arm, output_dir: Path, trainer_args: Sequence[str], nprocs: int 
         sys.exit(f"error: the {arm.name} run failed (exit code {done.returncode}); its output is above.")
     stamp.write_text(json.dumps(key, indent=1))
     return json.loads((Path(output_dir) / "summary.json").read_text())
+
+
+def launch_in_turns(arms: Sequence[Arm], output_dirs: Sequence[Path], trainer_args: Sequence[str],
+                    nprocs: int = 2) -> list[dict]:
+    """The runs of ``arms`` started together, each on ``nprocs`` ranks, taking every step in
+    turns (NOTE [ Runs in turns ] in turns.py); returns their summaries.
+
+    A run starts once the one before it is set up. Their output lines go to this process's
+    stdout, each after its arm's name; a failed run ends the others, then this process.
+    """
+    folder = Path(output_dirs[0]).parent / "turns"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    procs: list[subprocess.Popen] = []
+    ports, pumps = [], []
+    try:
+        for k, (arm, out) in enumerate(zip(arms, output_dirs)):
+            args = [*trainer_args, *arm.trainer_args, "--deepspeed_config", str(arm.deepspeed_config),
+                    "--output_dir", str(out), "--turns", str(folder), "--turn", f"{k}/{len(arms)}"]
+            ports.append(_free_port())
+            cmd = _command(args, nprocs, ports[-1])
+            print(f"\n=== {arm.name}: {' '.join(cmd[1:])}", flush=True)
+            procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=_environment(nprocs), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True))
+            pumps.append(threading.Thread(target=_pump, args=(procs[-1].stdout, f"[{arm.name}] "), daemon=True))
+            pumps[-1].start()
+            _wait_for(procs, arms, lambda k=k: (folder / f"ready.{k}").is_file(), awaited=procs[-1])
+        first_turn(folder)
+        _wait_for(procs, arms, lambda: all(p.poll() is not None for p in procs))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:  # another run failed: end this one, its ranks with it
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+        for port in ports:
+            remove_shm_buffers(port)
+        for pump in pumps:
+            pump.join(timeout=10)
+    return [json.loads((Path(out) / "summary.json").read_text()) for out in output_dirs]
+
+
+def _wait_for(procs: list, arms: Sequence[Arm], done, awaited=None) -> None:
+    """Until ``done()``; a run that ended with an error, or ``awaited`` ended at all (before it
+    was set up), ends this process."""
+    while not done():
+        for arm, proc in zip(arms, procs):
+            code = proc.poll()
+            if code is not None and (code != 0 or proc is awaited):
+                sys.exit(f"error: the {arm.name} run failed (exit code {code}); its output is above.")
+        time.sleep(0.1)
+
+
+def _pump(stream, prefix: str) -> None:
+    for line in stream:
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+
+
+def _command(args: Sequence[str], nprocs: int, port: int) -> list[str]:
+    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), "--master_port",
+            str(port), "--module", "examples.grpo.train", *args]
 
 
 def remove_shm_buffers(port: int) -> None:

@@ -1,6 +1,7 @@
 """``python -m examples.grpo.demo`` (``make demo``): the same seeded GRPO run twice -- with
 gradient checkpointing and with HiLoRe -- on 2 ranks with ZeRO-2 and LoRA, where activations
-matter (``DEMO_ARGS``: long prompts, 8 sequences per microbatch), then side by side: the actor
+matter (``DEMO_ARGS``: long prompts, 8 sequences per microbatch), the two runs taking each step in
+turns (NOTE [ Runs in turns ] in examples/grpo/turns.py), then side by side: the actor
 update's time per step (paired, steady steps) and over the whole run (HiLoRe's warm-up
 included), peak memory per rank against the budget, held-out reward, the FLOP regime, and one
 figure with both runs overlaid. Writes ``summary.json`` and ``demo.png`` under ``--output_dir``
@@ -20,7 +21,7 @@ import torch
 
 from ds_hilore.runtime.codecs import build_ahead
 from examples.grpo.accounting import account
-from examples.grpo.compare import ARMS, DEMO_ARGS, fmt, launch, table
+from examples.grpo.compare import ARMS, DEMO_ARGS, fmt, launch_in_turns, table
 from examples.grpo.figure import plot
 from examples.grpo.report import read_records
 
@@ -36,16 +37,16 @@ def parse_args():
 
 
 def run_arms(args, extra: list[str]) -> dict[str, Path]:
-    """Both runs, one after the other; their output folders."""
+    """Both runs, started together and taking each step in turns; their output folders."""
     out = Path(args.output_dir)
     # the codec's kernels, once per machine, before the runs (NOTE [ Codec kernels built ahead ]
     # in ds_hilore/runtime/codec_ahead.py): the HiLoRe run then loads them, as later runs would
     if not torch.cuda.is_available():  # CPU kernels only
         build_ahead(["int8"], [torch.float32], say=lambda line: print(line, flush=True))
     trainer_args = [*DEMO_ARGS, "--seed", str(args.seed), "--warm_start_dir", str(out / "warm_start"), *extra]
-    for arm in ARMS:
-        launch(arm, out / arm.name.lower(), trainer_args, args.nprocs)
-    return {arm.name: out / arm.name.lower() for arm in ARMS}
+    dirs = {arm.name: out / arm.name.lower() for arm in ARMS}
+    launch_in_turns(ARMS, list(dirs.values()), trainer_args, args.nprocs)  # NOTE [ Runs in turns ]
+    return dirs
 
 
 def conclude(dirs: dict[str, Path], output_dir: Path, seconds: float) -> dict:

@@ -42,6 +42,7 @@ from examples.grpo.model import PRESETS, add_lora, load_actor  # noqa: E402
 from examples.grpo.report import Report  # noqa: E402
 from examples.grpo.rollout import evaluate, make_rollout, set_checkpointing  # noqa: E402
 from examples.grpo.task import Task, load_task  # noqa: E402
+from examples.grpo.turns import Turns  # noqa: E402
 from examples.grpo.update import actor_update, gradient_error  # noqa: E402
 from examples.grpo.warm_start import prepare_actor  # noqa: E402
 
@@ -168,19 +169,25 @@ def resume(engine, args) -> int:
 
 # ---------------------------------------------------------------------------------- train
 def train(run: Run) -> dict | None:
-    """The training loop; returns the FLOP count of the last step's update (``--count_flops``)."""
+    """The training loop; returns the FLOP count of the last step's update (``--count_flops``).
+    With ``--turns`` each phase runs in this run's turn (NOTE [ Runs in turns ] in turns.py)."""
     args = run.args
-    if run.start_step == 0:
-        run.report.log({"step": 0, "total_steps": args.num_train_steps, "held_out_reward": held_out_reward(run)})
+    turns = Turns(args.turns, *args.turn)
+    turns.ready()
+    with turns.turn(0):
+        if run.start_step == 0:
+            run.report.log({"step": 0, "total_steps": args.num_train_steps, "held_out_reward": held_out_reward(run)})
     rollout = None
     for step in range(run.start_step + 1, args.num_train_steps + 1):
-        record, rollout = train_step(run, step)
-        run.report.log(record)
-        if args.save_interval and (step % args.save_interval == 0 or step == args.num_train_steps):
-            save(run, step)
-    if not args.count_flops or rollout is None:
-        return None
-    return count_update_flops(run.engine, rollout, args, run.checkpointing)  # NOTE [ Counting FLOPs after training ]
+        with turns.turn(step):
+            record, rollout = train_step(run, step)
+            run.report.log(record)
+            if args.save_interval and (step % args.save_interval == 0 or step == args.num_train_steps):
+                save(run, step)
+    with turns.turn(args.num_train_steps + 1):
+        if not args.count_flops or rollout is None:
+            return None
+        return count_update_flops(run.engine, rollout, args, run.checkpointing)  # NOTE [ Counting FLOPs after training ]
 
 
 def train_step(run: Run, step: int) -> tuple[dict, object]:
