@@ -144,6 +144,7 @@ def test_calibration_waits_for_a_bucket_of_the_shortest_length(monkeypatch, defe
     equal_utilities(monkeypatch)
     monkeypatch.setattr(LeaveOneOut, "gc_not_slower", lambda self: False)
     monkeypatch.setattr(MatchedPasses, "DEFER_AT_MOST", defer_at_most)
+    monkeypatch.setattr(MatchedPasses, "SETTLE", None)  # every calibration runs
     model = planner_model()
     runtime = ds_hilore.attach(model, dict(CONFIG, calibration_microbatches=2,
                                            plan_validation_microbatches=0))
@@ -163,6 +164,40 @@ def test_calibration_waits_for_a_bucket_of_the_shortest_length(monkeypatch, defe
         assert calibrating == [32, 32] and deferred == [0, 0, 0, 0, 0, 1, 2, 0]
     else:  # one deferral, then the long bucket calibrates
         assert calibrating == [32, 64] and deferred == [0, 0, 0, 0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("tolerance,settle,calibrations", [
+    (0.9, 4.0, 1),  # the error budget is far from any plan: one sample, then no more
+    (0.9, None, 3),  # (hilore profile) every calibration asked for
+])
+def test_calibration_stops_where_no_sample_could_change_a_plan(monkeypatch, tolerance, settle,
+                                                              calibrations):
+    """NOTE [ Calibration that cannot change a plan ]: with three calibrations allowed, a run
+    whose plan sits far under the error budget calibrates once; its plan is the one the
+    knapsack chooses without any error budget."""
+    from ds_hilore.plan.allocate import allocate
+    from ds_hilore.plan.buckets import priced_rooms
+    from ds_hilore.plan.calibrate import MatchedPasses
+
+    equal_utilities(monkeypatch)
+    monkeypatch.setattr(LeaveOneOut, "gc_not_slower", lambda self: False)
+    monkeypatch.setattr(MatchedPasses, "SETTLE", settle)
+    model = planner_model()
+    runtime = ds_hilore.attach(model, dict(CONFIG, calibration_microbatches=3, grad_error_tolerance=tolerance,
+                                           plan_validation_microbatches=0))
+    scheduler = runtime.policy
+    try:
+        warm_up = [_step(runtime, model, step, 32)["warm_up"] for step in range(8)]
+        bucket = scheduler.buckets[(B, 32)]
+        unbounded = allocate(bucket.profile, scheduler.risk, bucket.plan.headroom_bytes, float("inf"),
+                             True, excluded=frozenset(bucket.excluded), byte_scale=bucket.byte_scale,
+                             rooms=priced_rooms(bucket))
+    finally:
+        runtime.detach()
+    assert scheduler.calibrated == calibrations
+    assert sum("calibration" in w for w in warm_up) == calibrations
+    assert bucket.error_slack == (settle is not None)
+    assert unbounded.actions == bucket.plan.actions
 
 
 # ---- never slower than GC (NOTE [ Never slower than GC ] in ds_hilore/plan/validate.py) -------

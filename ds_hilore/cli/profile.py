@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         if runtime.policy is None:
             raise HiLoReError("HiLoRe found no decoder layers to plan for in this model; "
                               "set layer_pattern in the \"hilore\" block of --config.")
+        runtime.policy.passes.SETTLE = None  # every calibration --calibrate asks for is run
         report = _profile_run(model, runtime, args, device)
     except BadFlag as error:
         print(f"error: {error}", file=sys.stderr)

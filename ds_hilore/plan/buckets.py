@@ -45,6 +45,9 @@ class Bucket:
     source: tuple[int, int] | None = None
     loo_layers: bool = False  # its leave-one-out times layer variants (the run's one that does)
     gc_faster: bool = False  # timed no faster than GC itself (NOTE [ Never slower than GC ] in validate.py)
+    # its plan is far enough under the error budget that calibration cannot change it (NOTE
+    # [ Calibration that cannot change a plan ] in calibrate.py)
+    error_slack: bool = False
 
 
 # NOTE [ Priced for the bucket's longest ]

@@ -99,6 +99,7 @@ class MatchedPasses(PassRunner):
         self.ranking: dict | None = None  # the last ranking check (see ``rank_slices``)
         self.step_jobs: list[_Job] = []  # the validated step's microbatches, in order
         self.pieces = 0  # the most pieces a pass ran in (NOTE [ What a pass holds ])
+        self.said_settled = False  # NOTE [ Calibration that cannot change a plan ]
         self.peak_bytes: int | None = None  # the highest in-use reading during passes
         self._meter: DevicePeak | None = None  # CUDA: the window of the passes in progress
         self._peak_now = 0  # CPU: the highest reading of the passes in progress
@@ -125,7 +126,7 @@ class MatchedPasses(PassRunner):
         if self.hold_out and s.runtime._codec is not None:
             kind, self.hold_out = "hold_out", False
         elif s.calibrated < s.config.calibration_microbatches and s.runtime._codec is not None:
-            kind = "calibrate" if self._cheap_here(bucket) else None
+            kind = "calibrate" if not self._settled() and self._cheap_here(bucket) else None
         elif (s.config.validation_interval and self._validated_step != s.steps
               and (self.revalidate or s.steps % s.config.validation_interval == 0)):
             kind = "validate"
@@ -166,6 +167,37 @@ class MatchedPasses(PassRunner):
             return True
         self.deferred += 1
         return False
+
+    # NOTE [ Calibration that cannot change a plan ]
+    # Calibration samples the gradient error that packing adds, per unit group, so that the
+    # plans spend the error budget where it buys the most. A plan changes with those samples
+    # only where the budget binds it. When planning a bucket the scheduler also asks the
+    # knapsack for the plan without any error budget (what memory and time alone choose): if it
+    # is the plan chosen and its estimated error is under 1/SETTLE of the budget, the plan stays
+    # the same under any susceptibility up to SETTLE times the one estimated (each group's error
+    # grows at most that much; a smaller one frees nothing the plan wants), ``error_slack``. So
+    # once one sample is in and every planned bucket has that slack, the calibrations left are
+    # not run (a 2-core CPU run at 128 positions paid about 1 s for each, half a step); a bucket
+    # planned later without it starts them again. The same on every rank: rank 0 decides the
+    # slack with the plan. ``hilore profile`` runs every calibration asked for (SETTLE None).
+    SETTLE: float | None = 4.0
+
+    def _settled(self) -> bool:
+        """Whether no calibration left could change a plan (NOTE [ Calibration that cannot
+        change a plan ]); said once."""
+        s = self.scheduler
+        buckets = [b for b in s.buckets.values() if b.plan is not None and not b.gc_faster]
+        settled = self.SETTLE is not None and s.calibrated >= 1 and bool(buckets) and all(
+            b.error_slack for b in buckets)
+        plans = [b.plan for b in buckets]
+        if settled and not self.said_settled:
+            self.said_settled = True
+            logger.info("ds_hilore: calibration stops after %d of %d microbatches: every plan's "
+                        "estimated error (at most %.4f) is under 1/%g of the budget %.4f, where "
+                        "more samples cannot change it.", s.calibrated,
+                        s.config.calibration_microbatches, max(p.risk for p in plans),
+                        self.SETTLE, s._risk_budget())
+        return settled
 
     def _capture_fits(self, bucket) -> bool:
         """Whether one copy of the decoder layers' trainable gradients is small enough to hold

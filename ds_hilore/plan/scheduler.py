@@ -25,6 +25,7 @@ passes (calibrate.py), what it reports and saves in a checkpoint (records.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -331,11 +332,17 @@ class Scheduler:
                            "gradient checkpointing itself needs on %dx%d (%.1f MiB); running as GC "
                            "(all R). Fix: raise the budget.", budgets.describe(self.config),
                            bucket.budget_bytes / 2**20, *bucket.key, gc_peak / 2**20)
-        bucket.plan = self._broadcast(allocate(profile, self.risk, headroom, self._risk_budget(),
-                                               self.runtime._codec is not None,
-                                               excluded=frozenset(bucket.excluded),
-                                               byte_scale=bucket.byte_scale,
-                                               rooms=priced_rooms(bucket)))
+        priced = functools.partial(allocate, profile, self.risk, headroom,
+                                   codec=self.runtime._codec is not None,
+                                   excluded=frozenset(bucket.excluded),
+                                   byte_scale=bucket.byte_scale, rooms=priced_rooms(bucket))
+        plan = priced(self._risk_budget())
+        # NOTE [ Calibration that cannot change a plan ] in calibrate.py: the plan that memory
+        # and time alone choose, and whether the error budget is that far from binding it
+        free = priced(math.inf)
+        slack = free.actions == plan.actions and \
+            free.risk * self.passes.SETTLE <= self._risk_budget() if self.passes.SETTLE else False
+        bucket.plan, bucket.error_slack = self._broadcast((plan, slack))
         mix = {a: sum(1 for x in bucket.plan.actions.values() if x == a) for a in "HLSR"}
         # said once per shape; replans (calibration, validation, leave-one-out) at DEBUG
         logger.log(logging.INFO if profiled else logging.DEBUG,
@@ -554,9 +561,10 @@ class Scheduler:
         least, device = collective.all_reduce_max([-budget, int(bound == "device")])
         return -least, "device" if device else bound
 
-    def _broadcast(self, plan: Plan) -> Plan:
+    def _broadcast(self, value):
+        """Rank 0's ``value`` (a plan, with what goes with it) on every rank."""
         collective = self.runtime.collective
-        return plan if collective is None else collective.broadcast_object(plan)
+        return value if collective is None else collective.broadcast_object(value)
 
     def _device(self) -> torch.device:
         layer = self.runtime._layers[0].module
