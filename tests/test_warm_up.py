@@ -167,14 +167,15 @@ def test_calibration_waits_for_a_bucket_of_the_shortest_length(monkeypatch, defe
 
 
 @pytest.mark.parametrize("tolerance,settle,calibrations", [
-    (0.9, 4.0, 1),  # the error budget is far from any plan: one sample, then no more
-    (0.9, None, 3),  # (hilore profile) every calibration asked for
+    (0.9, 4.0, 2),  # the error budget is far from any plan: a sample of each kind, no more
+    (0.9, None, 4),  # (hilore profile) every calibration asked for
 ])
 def test_calibration_stops_where_no_sample_could_change_a_plan(monkeypatch, tolerance, settle,
                                                               calibrations):
-    """NOTE [ Calibration that cannot change a plan ]: with three calibrations allowed, a run
-    whose plan sits far under the error budget calibrates once; its plan is the one the
-    knapsack chooses without any error budget."""
+    """NOTE [ Calibration that cannot change a plan ]: with four calibrations allowed, a run
+    whose plan sits far under the error budget calibrates once per kind of unit (attention,
+    MLP), then validates as after a full calibration; its plan is the one the knapsack chooses
+    without any error budget."""
     from ds_hilore.plan.allocate import allocate
     from ds_hilore.plan.buckets import priced_rooms
     from ds_hilore.plan.calibrate import MatchedPasses
@@ -183,11 +184,13 @@ def test_calibration_stops_where_no_sample_could_change_a_plan(monkeypatch, tole
     monkeypatch.setattr(LeaveOneOut, "gc_not_slower", lambda self: False)
     monkeypatch.setattr(MatchedPasses, "SETTLE", settle)
     model = planner_model()
-    runtime = ds_hilore.attach(model, dict(CONFIG, calibration_microbatches=3, grad_error_tolerance=tolerance,
-                                           plan_validation_microbatches=0))
+    runtime = ds_hilore.attach(model, dict(CONFIG, calibration_microbatches=4, grad_error_tolerance=tolerance,
+                                           plan_validation_microbatches=0, validation_interval=1))
     scheduler = runtime.policy
     try:
-        warm_up = [_step(runtime, model, step, 32)["warm_up"] for step in range(8)]
+        stats = [_step(runtime, model, step, 32) for step in range(10)]
+        warm_up = [s["warm_up"] for s in stats]
+        validated = [s["grad_error_measured"] is not None for s in stats]
         bucket = scheduler.buckets[(B, 32)]
         unbounded = allocate(bucket.profile, scheduler.risk, bucket.plan.headroom_bytes, float("inf"),
                              True, excluded=frozenset(bucket.excluded), byte_scale=bucket.byte_scale,
@@ -196,6 +199,9 @@ def test_calibration_stops_where_no_sample_could_change_a_plan(monkeypatch, tole
         runtime.detach()
     assert scheduler.calibrated == calibrations
     assert sum("calibration" in w for w in warm_up) == calibrations
+    assert sorted(scheduler.risk.samples) == sorted(
+        ["attn:low", "mlp:low", "attn:high", "mlp:high"][:calibrations])
+    assert any(validated[3 + calibrations:])  # validation follows the calibrations
     assert bucket.error_slack == (settle is not None)
     assert unbounded.actions == bucket.plan.actions
 

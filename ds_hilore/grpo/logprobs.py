@@ -21,7 +21,9 @@ is g · (...) = 0), and in a GRPO update most are: prompt and padding positions 
 the loss), tokens clipped off-policy, every position of a sequence whose advantage is zero
 (β = 0). The backward reads once where g is not zero and recomputes, softmaxes and multiplies
 the logits of those positions only, gathered into chunks of ``chunk_size``; the rows of ∂h at
-the others are zero. Where every g is non-zero, the chunks are the forward's, as before.
+the others are zero. Where every g is non-zero, the chunks are the forward's, as before (a
+gathered chunk's matmul may round differently from the forward's chunk; the backward uses only
+its own recompute, and the same positions give the same chunks in every run).
 
 Precision: the matmul runs in ``promote_types(hidden.dtype, weight.dtype)`` with autocast off
 (the recompute in backward must see exactly the forward's logits, and backward runs outside the

@@ -110,6 +110,7 @@ def launch_in_turns(arms: Sequence[Arm], output_dirs: Sequence[Path], trainer_ar
     folder.mkdir(parents=True)
     procs: list[subprocess.Popen] = []
     ports, pumps = [], []
+    stopped = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the runs end with this process
     try:
         for k, (arm, out) in enumerate(zip(arms, output_dirs)):
             args = [*trainer_args, *arm.trainer_args, "--deepspeed_config", str(arm.deepspeed_config),
@@ -118,17 +119,18 @@ def launch_in_turns(arms: Sequence[Arm], output_dirs: Sequence[Path], trainer_ar
             cmd = _command(args, nprocs, ports[-1])
             print(f"\n=== {arm.name}: {' '.join(cmd[1:])}", flush=True)
             procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=_environment(nprocs), stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True))
+                                          stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+                                          start_new_session=True))
             pumps.append(threading.Thread(target=_pump, args=(procs[-1].stdout, f"[{arm.name}] "), daemon=True))
             pumps[-1].start()
             _wait_for(procs, arms, lambda k=k: (folder / f"ready.{k}").is_file(), awaited=procs[-1])
         first_turn(folder)
         _wait_for(procs, arms, lambda: all(p.poll() is not None for p in procs))
     finally:
-        for proc in procs:
-            if proc.poll() is None:  # another run failed: end this one, its ranks with it
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait()
+        signal.signal(signal.SIGTERM, stopped)
+        for proc in procs:  # a run failed, or this process was stopped: end the others, ranks too
+            if proc.poll() is None or proc.returncode != 0:
+                _end(proc)
         for port in ports:
             remove_shm_buffers(port)
         for pump in pumps:
@@ -148,9 +150,32 @@ def _wait_for(procs: list, arms: Sequence[Arm], done, awaited=None) -> None:
 
 
 def _pump(stream, prefix: str) -> None:
+    """A run's output lines to this process's stdout; drained to the end even if writing fails
+    (a full pipe would stop the run, and the other with it, waiting for its turn)."""
     for line in stream:
-        sys.stdout.write(prefix + line)
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """The run's process group ended (its launcher and ranks): SIGTERM, then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=30)
+            if sig == signal.SIGTERM:
+                os.killpg(proc.pid, signal.SIGKILL)  # ranks the launcher left behind
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
 
 
 def _command(args: Sequence[str], nprocs: int, port: int) -> list[str]:

@@ -11,7 +11,8 @@ training steps, phase N + 1 what follows them (the FLOP count).
 
 The turn is one line in ``FOLDER/turn`` ("phase arm"), replaced atomically by the rank 0 of
 the run that ends its turn; rank 0 of the waiting run reads it every few milliseconds, and its
-other ranks wait for it at a barrier of their own process group (a blocking read, no spinning).
+other ranks wait for it at a barrier of their own process group (gloo on a CPU: a blocking read,
+no spinning; a barrier's timeout, 30 minutes under DeepSpeed, bounds a phase of the other run).
 ``FOLDER/ready.ARM`` says a run is set up (the demo starts the next run only then: two runs must
 not build the same warm start at once). ``launch_in_turns`` (compare.py) starts the runs and
 writes the first turn; a run that fails ends the others.
