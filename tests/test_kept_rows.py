@@ -252,6 +252,34 @@ def test_the_planner_runs_kept_rows_and_spends_what_the_zero_rows_leave(monkeypa
         runtime.detach()
 
 
+def test_a_microbatch_a_matched_pass_replays_runs_whole(monkeypatch):
+    """A calibration whose exact gradient is taken by a second pass (the two-pass form) replays
+    its microbatch's forward: that microbatch runs whole even where the prediction would run its
+    kept rows only, so the gradient the pass starts from has every row (it had the kept rows', and
+    the pass raised a shape mismatch), and the steady microbatches around it split."""
+    from ds_hilore.plan.calibrate import MatchedPasses
+
+    equal_utilities(monkeypatch)
+    monkeypatch.setattr(MatchedPasses, "_capture_fits", lambda self, bucket: False)  # two passes
+    monkeypatch.setattr(MatchedPasses, "SETTLE", None)
+    model = planner_model()
+    runtime = ds_hilore.attach(model, {"codec_backend": "eager", "min_pack_numel": 1024,
+                                       "profile_microbatches": 2, "calibration_microbatches": 2,
+                                       "plan_validation_microbatches": 0})
+    try:
+        kept, calibrated = [], []
+        for seed in range(5):
+            ids, omega = _data(20 + seed, PART)
+            _, stats = _predicted(runtime, model, ids, omega)
+            kept.append(stats["microbatches"][0]["kept_rows"])
+            calibrated.append("calibration" in stats["warm_up"])
+        samples = sum(len(v) for v in runtime.policy.risk.samples.values())
+    finally:
+        runtime.detach()
+    assert calibrated == [False, False, True, True, False] and samples == 2
+    assert kept == [None, None, None, None, [0, 2]]
+
+
 def _short_of_memory(runtime, config) -> None:
     """The bucket planned under the least absolute budget with room for some of its units."""
     policy = runtime.policy

@@ -133,8 +133,9 @@ class Scheduler:
                 if variant == LeaveOneOut.WARM_UP:  # the plan itself, and its timing is not used
                     self.metering.open_check(bucket, self.longest, ran)
             self.timing = (bucket.loo, variant, self._now(), self.rows_here * length)
-        else:
-            self.metering.open_check(bucket, self.longest, self._apply(bucket, steady=True))
+        else:  # a microbatch a matched pass replays runs whole: the pass needs every row
+            self.metering.open_check(bucket, self.longest,
+                                     self._apply(bucket, steady=not self.passes.fresh))
         self.expected = None  # a prediction is for this microbatch only
         self.alloc_s += time.perf_counter() - begin
 
