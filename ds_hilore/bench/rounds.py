@@ -5,10 +5,10 @@ Every function is a collective: the ranks open the same runs, in the same order,
 together. What a rank measures goes to its ``record`` (raw, its own); what every rank holds
 alike (gradient errors, summed over ranks; HiLoRe's stats, rank 0's) to ``shared``.
 
-1. Warm-up, one run at a time: a run with HiLoRe's scheduler (an allocator, a plan pinned by a pattern) steps until two steps in a row did no
-   warm-up work (``stats.step_work``: profiling, planning, calibration, leave-one-out), at
-   most ``MAX_WARMUP``; any other run one step (its first allocations). Each step's time and
-   work is kept.
+1. Warm-up, one run at a time: a run with HiLoRe's scheduler (an allocator, a plan pinned by
+   a pattern) steps until two steps in a row did no warm-up work (``stats.step_work``:
+   profiling, planning, calibration, leave-one-out), at most ``MAX_WARMUP``; any other run one
+   step (its first allocations). Each step's time and work is kept.
 2. Peaks: one metered step per run, every run alive (NOTE [ Engines side by side ]).
 3. Gradients: each run's step gradient at the initial weights, summed over ranks, against no
    checkpointing's, on every step of the data; then one step's FLOPs.

@@ -99,7 +99,10 @@ class MatchedPasses(PassRunner):
         self.ranking: dict | None = None  # the last ranking check (see ``rank_slices``)
         self.step_jobs: list[_Job] = []  # the validated step's microbatches, in order
         self.pieces = 0  # the most pieces a pass ran in (NOTE [ What a pass holds ])
-        self.said_settled = False  # NOTE [ Calibration that cannot change a plan ]
+        # NOTE [ Calibration that cannot change a plan ]: decided again only after a plan
+        # changed (``Scheduler._plan_bucket`` clears it), not per microbatch
+        self.settled: bool | None = None
+        self.said_settled = False
         self.peak_bytes: int | None = None  # the highest in-use reading during passes
         self._meter: DevicePeak | None = None  # CUDA: the window of the passes in progress
         self._peak_now = 0  # CPU: the highest reading of the passes in progress
@@ -189,21 +192,22 @@ class MatchedPasses(PassRunner):
     def _settled(self) -> bool:
         """Whether no calibration left could change a plan (NOTE [ Calibration that cannot
         change a plan ]); said once."""
+        if self.settled is not None:
+            return self.settled
         s = self.scheduler
         buckets = [b for b in s.buckets.values() if b.plan is not None and not b.gc_faster]
         kinds = {c.kind for b in buckets for c in b.profile.units if c.l_bytes < c.h_bytes}
         sampled = {group.split(":")[0] for group, values in s.risk.samples.items() if values}
-        settled = self.SETTLE is not None and s.calibrated >= 1 and bool(buckets) and \
+        self.settled = self.SETTLE is not None and s.calibrated >= 1 and bool(buckets) and \
             kinds <= sampled and all(b.error_slack for b in buckets)
-        plans = [b.plan for b in buckets]
-        if settled and not self.said_settled:
+        if self.settled and not self.said_settled:
             self.said_settled = True
             logger.info("ds_hilore: calibration stops after %d of %d microbatches: every plan's "
                         "estimated error (at most %.4f) is under 1/%g of the budget %.4f, where "
                         "more samples cannot change it.", s.calibrated,
-                        s.config.calibration_microbatches, max(p.risk for p in plans),
+                        s.config.calibration_microbatches, max(b.plan.risk for b in buckets),
                         self.SETTLE, s._risk_budget())
-        return settled
+        return self.settled
 
     def _capture_fits(self, bucket) -> bool:
         """Whether one copy of the decoder layers' trainable gradients is small enough to hold

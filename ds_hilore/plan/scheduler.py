@@ -344,6 +344,7 @@ class Scheduler:
         slack = free.actions == plan.actions and \
             free.risk * self.passes.SETTLE <= self._risk_budget() if self.passes.SETTLE else False
         bucket.plan, bucket.error_slack = self._broadcast((plan, slack))
+        self.passes.settled = None  # decided again with this plan
         mix = {a: sum(1 for x in bucket.plan.actions.values() if x == a) for a in "HLSR"}
         # said once per shape; replans (calibration, validation, leave-one-out) at DEBUG
         logger.log(logging.INFO if profiled else logging.DEBUG,
