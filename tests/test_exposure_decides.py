@@ -263,6 +263,32 @@ def test_sequences_predicted_zero_are_never_captured_and_their_memory_is_spent()
     assert full[3] <= budget and zero[3] <= budget, (full[3], zero[3], budget)
 
 
+def test_under_matched_calls_the_freed_memory_keeps_the_buckets_recompute_set():
+    """NOTE [ One recompute set under ZeRO-3 ]: where the ranks' module calls must match
+    (ZeRO-3), the plan re-solved for rows 0-1 recomputes exactly the units the bucket's plan
+    recomputes (so DeepSpeed's trace of module calls repeats) and spends the zero rows'
+    memory storing more of the others in high precision; without matched calls the same
+    microbatch recomputes fewer units (the test above)."""
+    model, runtime = _profiled(budget_over_gc=1_000_000)
+    runtime.matched_calls = True
+    bucket = runtime.policy.buckets[BUCKET]
+    try:
+        full = _predicted_step(model, runtime, 7, torch.tensor([1.5, -1.5, 0.7, -0.7]))
+        zero = _predicted_step(model, runtime, 7, torch.tensor([1.5, -1.5, 0.0, 0.0]))
+        budget = bucket.budget_bytes
+        recomputed = {n for n, a in bucket.plan.actions.items() if a == "R"}
+    finally:
+        runtime.detach()
+    assert recomputed and len(recomputed) < len(bucket.plan.actions), bucket.plan.actions
+    assert {n for n, a in full[0].items() if a == "R"} == recomputed, full[0]
+    assert {n for n, a in zero[0].items() if a == "R"} == recomputed, zero[0]
+    high = [sum(a == "H" for a in plan.values()) for plan in (full[0], zero[0])]
+    assert high[1] > high[0], (full[0], zero[0])
+    assert set(zero[2]) == set(zero[0]) - recomputed
+    assert all(len(s) == 2 for states, *_ in zero[2].values() for s in states)  # rows 0-1
+    assert full[3] <= budget and zero[3] <= budget, (full[3], zero[3], budget)
+
+
 def test_a_microbatch_predicted_zero_everywhere_captures_nothing_and_skips_its_recompute():
     """NOTE [ A microbatch predicted zero ]: A = 0 on every sequence, predicted. Before any ω
     has come from the loss, the plan re-solved for no rows keeps every unit with each of its

@@ -77,12 +77,14 @@ def unit_options(cost: UnitCost, codec: bool, split_share: float) -> dict[str, t
 
 def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_share: float,
                  scale: float = 1.0, excluded: frozenset[int] = frozenset(),
-                 byte_scale: Mapping[str, float] | None = None) -> list[list[knapsack.Option]]:
+                 byte_scale: Mapping[str, float] | None = None,
+                 recomputed: frozenset[str] = frozenset()) -> list[list[knapsack.Option]]:
     """The knapsack groups of a profile: one per layer, every joint action an option.
     ``scale`` (>= 1) stretches bytes and times to a bucket longer than the profiled shape;
     ``byte_scale`` (unit kind -> factor >= 1) stretches only the bytes of that kind's units
     (NOTE [ Priced for the bucket's longest ] in buckets.py); ``excluded`` layers
-    (leave-one-out found their options do not pay) get R only."""
+    (leave-one-out found their options do not pay) get R only, and so do the units named in
+    ``recomputed`` (NOTE [ One recompute set under ZeRO-3 ] in prediction.py)."""
     layers: dict[int, list[UnitCost]] = {}
     for cost in profile.units:
         layers.setdefault(cost.layer, []).append(cost)
@@ -90,7 +92,8 @@ def layer_groups(profile: BucketProfile, risk: RiskModel, codec: bool, split_sha
     groups = []
     for layer in sorted(layers):
         units = sorted(layers[layer], key=lambda c: c.pos)
-        per_unit = [unit_options(c, codec, split_share) if layer not in excluded
+        per_unit = [unit_options(c, codec, split_share)
+                    if layer not in excluded and c.name not in recomputed
                     else {"R": (0.0, 0, 0.0)} for c in units]
         options = []
         for combo in itertools.product(*(sorted(o) for o in per_unit)):
@@ -125,16 +128,19 @@ def allocate(profile: BucketProfile, risk: RiskModel, headroom_bytes: int, risk_
              codec: bool, split_share: float = 0.5, scale: float = 1.0,
              excluded: frozenset[int] = frozenset(),
              byte_scale: Mapping[str, float] | None = None,
-             rooms: tuple[int, list[int]] | None = None) -> Plan:
+             rooms: tuple[int, list[int]] | None = None,
+             recomputed: frozenset[str] = frozenset()) -> Plan:
     """The capture plan with the most utility whose memory fits ``headroom_bytes`` (the budget
     above GC's peak) and whose risk fits ``risk_budget``; ``scale`` and ``byte_scale`` as in
     ``layer_groups``; ``rooms``: (room before the layers' backward, room per layer position)
     to price it phase by phase (NOTE [ A plan priced phase by phase ]), None: GC's peak plus
-    every byte kept."""
+    every byte kept; ``recomputed``: units left R (NOTE [ One recompute set under ZeRO-3 ] in
+    prediction.py)."""
     names = [c.name for c in profile.units]
     if headroom_bytes <= 0:
         return Plan.all_r(names, headroom_bytes)
-    groups = layer_groups(profile, risk, codec, split_share, scale, frozenset(excluded), byte_scale)
+    groups = layer_groups(profile, risk, codec, split_share, scale, frozenset(excluded), byte_scale,
+                          frozenset(recomputed))
     caps, budget = None, headroom_bytes
     if rooms is not None:
         top, per_layer = rooms

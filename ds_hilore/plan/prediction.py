@@ -100,6 +100,22 @@ def plan_for_rows(s, bucket: Bucket, shared: bool, split: bool) -> Plan:
     on every rank: the worst case over ranks (most rows kept, largest rho; one row where a
     split keeps one of a microbatch predicted zero) is planned for.
 
+    NOTE [ One recompute set under ZeRO-3 ]
+    ZeRO-3 records the order in which a forward and backward fetch submodules (its trace) and,
+    while every pass repeats it, keeps parameters resident up to its reuse distance and
+    prefetches the next ones; a pass in another order invalidates it, and until a pass is
+    recorded and repeated every module call gathers its parameters and releases them after.
+    A recomputed unit calls its modules again in the backward, so a microbatch that recomputes
+    other units than the last one runs another order. Re-solved freely for each microbatch's
+    kept rows and exposure, the plans of the four microbatches of ``hilore bench --model
+    paper-cpu --predict --zero-stage 3`` recomputed four different sets: DeepSpeed's trace was
+    never complete, 392-415 gathers per micro-step against GC's 25. Where the ranks' module
+    calls must match (``matched_calls``: ZeRO-3, FSDP) a re-solved plan keeps the bucket
+    plan's R units R, and chooses H, L or S for the others, R only where the risk or the
+    memory requires it (more risk than the bucket's: rho > 1): the memory the zero rows leave
+    is spent storing in high precision what the bucket's plan packs. Within the budget: the
+    bucket's plan for every row fits, and fewer rows keep fewer bytes.
+
     NOTE [ A microbatch predicted zero ]
     When no sequence of any rank is kept (all predicted 0), the plan is all R instead of all
     E. Neither keeps more than the layers' inputs, but E still runs every kept unit's capture
@@ -133,13 +149,15 @@ def plan_for_rows(s, bucket: Bucket, shared: bool, split: bool) -> Plan:
         if len(s.row_plans) > 64:
             s.row_plans.clear()
         profile = kept_rows(bucket.profile, int(kept), batch)
+        recomputed = frozenset(n for n, a in bucket.plan.actions.items() if a == "R") \
+            if s.runtime.matched_calls else frozenset()  # NOTE [ One recompute set under ZeRO-3 ]
         # unchecked: within the headroom less any credit (NOTE [ Headroom a checked plan
         # left ] in checks.py); the bucket's own plan, checked, where it fits and is better
         plan = allocate(profile, s.risk.scaled(rho),
                         bucket.plan.headroom_bytes - bucket.headroom_credit, s._risk_budget(),
                         s.runtime._codec is not None, excluded=frozenset(bucket.excluded),
                         byte_scale=bucket.byte_scale,  # NOTE [ Priced for the bucket's longest ]
-                        rooms=priced_rooms(bucket))
+                        rooms=priced_rooms(bucket), recomputed=recomputed)
         if kept >= batch and bucket.plan.risk * rho <= s._risk_budget() and \
                 bucket.plan.utility_s > plan.utility_s:
             plan = bucket.plan
