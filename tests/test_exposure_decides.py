@@ -466,8 +466,11 @@ class _PairedCollective:
     every call returns the element-wise max (or sum) of this rank's values and what the other
     rank sent in the same call (same method, same call number), recorded from its own run."""
 
+    world_size = 2
+
     def __init__(self, other: "_PairedCollective | None" = None, strict: bool = True):
         self.other, self.sent, self.strict = other, [], strict
+        self.rank = 1 - other.rank if other is not None else 0
 
     def _reduce(self, method: str, values: list, combine):
         k = len(self.sent)
@@ -552,18 +555,22 @@ def test_units_sent_to_recompute_after_the_forward_are_one_decision_for_all_rank
     assert recomputed[1] == recomputed[0]  # reused between refreshes
 
 
-def _calibrating_rank(advantages, collective, model) -> tuple[dict, int]:
-    """Three steps of one microbatch on one "rank", the first two calibrating (matched passes):
-    its risk model afterwards and how many samples it took."""
+def _calibrating_rank(advantages, collective, model, matched: bool = False) -> tuple[dict, list]:
+    """Three steps of one microbatch on one "rank", calibrating until 2 samples are taken
+    (matched passes): its risk model afterwards and the samples taken after each step;
+    ``matched``: the ranks' module calls must match (ZeRO-3)."""
     runtime = ds_hilore.attach(model, dict(BASE, memory_budget_bytes=(1 << 30) + int(1.9e6),
                                            calibration_microbatches=2))
     _resume(runtime, _fixed_profile(runtime))
-    runtime.collective = collective
+    runtime.collective, runtime.matched_calls = collective, matched
+    runtime.policy.passes.SETTLE = None  # every sample asked for is taken
+    calibrated = []
     try:
         for j in range(3):
             _microbatch(model, j, advantages)
             runtime.end_step()
-        return runtime.policy.risk.to_dict(), runtime.policy.calibrated
+            calibrated.append(runtime.policy.calibrated)
+        return runtime.policy.risk.to_dict(), calibrated
     finally:
         runtime.detach()
 
@@ -574,12 +581,42 @@ def test_calibration_leaves_every_rank_the_same_risk_model():
     re-solves for its microbatch's rows); agreed, every rank holds the same model."""
     base = _model()
     alone = [_calibrating_rank(a, None, copy.deepcopy(base)) for a in (HIGH_01, HIGH_23)]
-    assert alone[0][1] > 0 and alone[0][0] != alone[1][0], alone  # would drift apart
-    first_a, first_b = _recorded_pair(lambda c: _calibrating_rank(HIGH_01, c, copy.deepcopy(base)),
-                                      lambda c: _calibrating_rank(HIGH_23, c, copy.deepcopy(base)))
-    ran_a = _calibrating_rank(HIGH_01, _PairedCollective(first_b), copy.deepcopy(base))
-    ran_b = _calibrating_rank(HIGH_23, _PairedCollective(first_a), copy.deepcopy(base))
-    assert ran_a[1] > 0 and ran_a == ran_b, (ran_a, ran_b)
+    assert alone[0][1][-1] > 0 and alone[0][0] != alone[1][0], alone  # would drift apart
+    # every rank calibrating the same group (ZeRO-3; else NOTE [ Calibration spread over ranks ])
+    first_a, first_b = _recorded_pair(
+        lambda c: _calibrating_rank(HIGH_01, c, copy.deepcopy(base), matched=True),
+        lambda c: _calibrating_rank(HIGH_23, c, copy.deepcopy(base), matched=True))
+    ran_a = _calibrating_rank(HIGH_01, _PairedCollective(first_b), copy.deepcopy(base), True)
+    ran_b = _calibrating_rank(HIGH_23, _PairedCollective(first_a), copy.deepcopy(base), True)
+    assert ran_a[1][-1] > 0 and ran_a == ran_b, (ran_a, ran_b)
+
+
+@pytest.mark.parametrize("matched", [False, True])
+def test_ranks_calibrate_a_group_each_where_their_module_calls_need_not_match(matched):
+    """NOTE [ Calibration spread over ranks ]: on 2 ranks under ZeRO 0-2 the first calibrating
+    step takes both samples due, one per rank, of two groups, each its rank's own error over
+    its own exposure; every rank folds in both, in rank order: the same risk model. Where the
+    module calls must match (ZeRO-3) both ranks calibrate the same group, one sample a step."""
+    base = _model()
+    alone = [_calibrating_rank(a, None, copy.deepcopy(base)) for a in (HIGH_01, HIGH_23)]
+    assert [c for _, c in alone] == [[1, 2, 2]] * 2, alone  # one rank: one sample a step
+    first_a, first_b = _recorded_pair(
+        lambda c: _calibrating_rank(HIGH_01, c, copy.deepcopy(base), matched),
+        lambda c: _calibrating_rank(HIGH_23, c, copy.deepcopy(base), matched))
+    ran_a = _calibrating_rank(HIGH_01, _PairedCollective(first_b), copy.deepcopy(base), matched)
+    ran_b = _calibrating_rank(HIGH_23, _PairedCollective(first_a), copy.deepcopy(base), matched)
+    assert ran_a == ran_b, (ran_a, ran_b)
+    samples = ran_a[0]["samples"]
+    if matched:
+        assert ran_a[1] == [1, 2, 2], ran_a
+        return
+    assert ran_a[1] == [2, 2, 2], ran_a  # both samples in the first step
+    # rank 0 sampled the first group, rank 1 the second: each its own microbatch's sample
+    first, second = (alone[k][0]["samples"] for k in (0, 1))
+    assert len(samples) == 2 and all(len(v) == 1 for v in samples.values()), samples
+    groups = sorted(samples)
+    assert samples[next(iter(first))] == first[next(iter(first))], (samples, first)
+    assert sorted(set(first) | set(second)) == groups, (samples, first, second)
 
 
 def _predicting_rank(advantages, collective, model) -> dict:

@@ -13,15 +13,17 @@ reduction hooks (post-accumulate-grad hooks, which ``autograd.grad`` does not ru
 touched, and the RNG is set to the microbatch's and restored after (``fork_rng``), so
 training's stream is unchanged. The exact gradient comes from an all-R pass (bitwise what no
 checkpointing gives). Passes run at the optimizer step, on the same steps on every rank (the
-decision depends only on state every rank shares). A calibration or ranking error is the max
-over ranks; the validated step's error is that of the gradient summed over ranks (NOTE [ The
-step's error over ranks ] in grad_error.py). What a pass holds is bounded (NOTE [ What a pass
+decision depends only on state every rank shares). A calibration error is the max over ranks
+(or each rank's own: NOTE [ Calibration spread over ranks ]), a ranking error the max; the
+validated step's error is that of the gradient summed over ranks (NOTE [ The step's error over
+ranks ] in grad_error.py). What a pass holds is bounded (NOTE [ What a pass
 holds ] in pass_runner.py); under ZeRO-3 passes gather parameters as training does and leave DeepSpeed's state as
 they found it (NOTE [ Matched passes under ZeRO-3 ] in zero3_passes.py).
 
 * Calibration (the first ``calibration_microbatches`` planned microbatches): one group of units
   (kind x depth half, cycling) has a random half of its packable units in L; the measured error
-  over the sum of their codec errors is one susceptibility sample (risk.py).
+  over the sum of their codec errors is one susceptibility sample (risk.py); under ZeRO 0-2
+  each rank samples a group of its own (NOTE [ Calibration spread over ranks ]).
 * Ranking check (``Scheduler.hold_out()``, used by ``hilore profile --spearman``): every packable
   unit's less and more exposed half of the sequences in L alone; Spearman between predicted risk
   and measured error over those slices.
@@ -77,7 +79,9 @@ class _Job:
     # of the decoder layers' parameters, as the training backward makes it, is the exact one
     capture: bool = False
     exact: dict | None = None  # parameter position -> its exact gradient, as captured
-    measured: tuple | None = None  # what ``_calibration`` measured at the end of its backward
+    measured: list | None = None  # what ``_calibration`` measured at the end of its backward
+    index: int = 0  # this rank's calibration sample (NOTE [ Calibration spread over ranks ])
+    spread: int = 1  # how many ranks calibrate a group each in this job
 
 
 class MatchedPasses(PassRunner):
@@ -141,6 +145,10 @@ class MatchedPasses(PassRunner):
         capture = kind == "calibrate" and self._capture_fits(bucket)
         self.job = _Job(kind, tuple(args), dict(kwargs), torch.get_rng_state(), cuda, bucket,
                         capture=capture)
+        if kind == "calibrate":  # NOTE [ Calibration spread over ranks ]
+            self.job.spread = self._spread()
+            rank = s.runtime.collective.rank if self.job.spread > 1 else 0
+            self.job.index = s.calibrated + rank
         self.fresh = True
         if kind == "validate":
             self.step_jobs.append(self.job)
@@ -302,7 +310,7 @@ class MatchedPasses(PassRunner):
         if bucket.budget_bytes is None or bucket.profile is None:
             return True
         scale = bucket.byte_scale or {}
-        _, names, _ = self._calibration_subset(bucket)
+        _, names, _ = self._calibration_subset(bucket, job.index)
         per_layer: dict[int, float] = {}
         packed = 0.0
         for cost in bucket.profile.units:
@@ -356,13 +364,13 @@ class MatchedPasses(PassRunner):
         elif job.kind == "calibrate":
             # NOTE [ The exact gradient from training ]: measured at the end of its backward
             measured = job.measured if job.exact is not None else self._calibration(job)
-            if measured is None:
+            added = 0
+            for group, error, eps in measured or []:  # the same list on every rank
+                if self._measured(error, "calibration", finite=True):  # else a later one again
+                    s.risk.add(group, error, eps)
+                    s.calibrated, added = s.calibrated + 1, added + 1
+            if not added:
                 return
-            group, error, eps = measured
-            if not self._measured(error, "calibration", finite=True):  # the next one again
-                return
-            s.risk.add(group, error, eps)
-            s.calibrated += 1
         else:
             error = self._validate_step(step_jobs or [job])
             self._validated_step = s.steps
@@ -376,18 +384,66 @@ class MatchedPasses(PassRunner):
                                s.config.grad_error_tolerance, s._risk_budget())
         s.replan()
 
-    def _calibration(self, job: _Job) -> tuple[str, float, float] | None:
-        """(group, measured error, sum_u eps_u E_u / M_m) of one calibration pass: a random half
-        of one group's packable units in L (NOTE [ Matched passes ]); None when nothing of the
-        microbatch was exposed on any rank. The same on every rank."""
+    def _calibration(self, job: _Job) -> list[tuple[str, float, float]] | None:
+        """The samples (group, measured error, sum_u eps_u E_u / M_m) of one calibration pass:
+        a random half of one group's packable units in L (NOTE [ Matched passes ]), one sample
+        per rank where the ranks calibrate a group each (NOTE [ Calibration spread over
+        ranks ]); None when nothing of the microbatch was exposed on any rank. The same on
+        every rank."""
         if not self._exposed_anywhere(job):  # NOTE [ A calibration with nothing exposed ]
             return None
-        group, names, _ = self._calibration_subset(job.bucket)
-        eps = self._least(_exposed_eps(job, names))  # the same risk model on every rank
+        group, names, _ = self._calibration_subset(job.bucket, job.index)
+        eps = _exposed_eps(job, names)
         actions = {n: ("L" if n in names else "R") for n in job.executed}
         if job.exact is not None:  # NOTE [ The exact gradient from training ]
-            return group, self._agree(self._against_captured(job, actions)), eps
-        return group, self._agree(self._errors(job, [(actions, {})])[0]), eps
+            error = self._against_captured(job, actions)
+        else:
+            error = self._errors(job, [(actions, {})])[0]
+        if job.spread == 1:  # the same risk model on every rank: the largest error, least eps
+            return [(group, self._agree(error), self._least(eps))]
+        return self._gathered(job, error, eps if job.mass and sum(job.mass) > 0 else None)
+
+    # NOTE [ Calibration spread over ranks ]
+    # A calibration sample costs a pass over the decoder layers (NOTE [ The exact gradient from
+    # training ]), and the first calibrations are most of the warm-up's cost. With every rank
+    # calibrating the same group, N ranks pay N passes for one sample (the largest error over
+    # the least exposure). Where the ranks' module calls need not match (ZeRO 0-2: a pass on
+    # one rank gathers nothing the others must gather too) and at least N samples are still
+    # due, rank r calibrates the group of sample ``calibrated + r``: N samples for the price of
+    # one, each a whole measurement on its rank's microbatch (its error over its own exposure),
+    # so the four groups are sampled in two steps on 2 ranks instead of four. A rank whose
+    # microbatch carries no loss mass adds no sample (NOTE [ A calibration with nothing
+    # exposed ]). The samples are all-reduced in one vector and folded in rank order: every
+    # rank holds the same risk model. Under ZeRO-3 (a rank's L units change no gather, but its
+    # R units do) and for the last samples due, every rank calibrates the same group, as before.
+    def _spread(self) -> int:
+        """How many ranks calibrate a group each in the next calibration (NOTE [ Calibration
+        spread over ranks ]): the same on every rank."""
+        s = self.scheduler
+        collective = s.runtime.collective
+        if collective is None or s.runtime.matched_calls:
+            return 1
+        world = collective.world_size
+        return world if s.config.calibration_microbatches - s.calibrated >= world else 1
+
+    def _gathered(self, job: _Job, error: float, eps: float | None) -> list[tuple[str, float, float]]:
+        """Every rank's sample of a spread calibration, in rank order (NOTE [ Calibration spread
+        over ranks ]); ``eps`` None where this rank's microbatch had no loss mass."""
+        collective = self.scheduler.runtime.collective
+        values = [0.0] * (4 * job.spread)
+        k = 4 * collective.rank
+        if eps is not None:  # (finite error, error is NaN, error is inf, eps)
+            values[k:k + 4] = [error if math.isfinite(error) else 0.0, float(math.isnan(error)),
+                               float(error == math.inf), eps]
+        values = collective.all_reduce_sum(values)
+        samples = []
+        for rank in range(job.spread):
+            value, nan, inf, eps_r = values[4 * rank:4 * rank + 4]
+            if eps_r <= 0 and not nan and not inf:
+                continue  # nothing exposed there, or nothing packed
+            group = self._calibration_subset(job.bucket, job.index - collective.rank + rank)[0]
+            samples.append((group, math.nan if nan else math.inf if inf else value, eps_r))
+        return samples
 
     def _errors(self, job: _Job, variants: list[tuple[Any, dict]]) -> list[float]:
         """This rank's ||g - g_exact|| / ||g_exact|| of ``job`` under each variant (actions,
@@ -518,8 +574,8 @@ class MatchedPasses(PassRunner):
             if adv and len(slices) > 1 else None
         return {"spearman": rho, "spearman_advantage": rho_adv, "slices": slices}
 
-    def _calibration_subset(self, bucket) -> tuple[str, set[str], float]:
-        s = self.scheduler
+    def _calibration_subset(self, bucket, index: int) -> tuple[str, set[str], float]:
+        """(group, units in L, sum of their codec errors) of calibration sample ``index``."""
         costs = [c for c in bucket.profile.units if c.l_bytes < c.h_bytes]
         n_layers = 1 + max(c.layer for c in bucket.profile.units)
         # kinds alternate (attn:low, mlp:low, attn:high, ...): few passes still cover each kind
@@ -527,9 +583,9 @@ class MatchedPasses(PassRunner):
                         key=lambda g: (g.split(":")[1] != "low", g))
         if not groups:
             return "", set(), 0.0
-        group = groups[s.calibrated % len(groups)]
+        group = groups[index % len(groups)]
         members = [c for c in costs if group_of(c.kind, c.layer, n_layers) == group]
-        chosen = random.Random(s.calibrated).sample(members, max(1, len(members) // 2))
+        chosen = random.Random(index).sample(members, max(1, len(members) // 2))
         return group, {c.name for c in chosen}, sum(c.rel_error for c in chosen)
 
     def _exposed_anywhere(self, job: _Job) -> bool:
