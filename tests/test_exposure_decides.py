@@ -558,7 +558,8 @@ def test_units_sent_to_recompute_after_the_forward_are_one_decision_for_all_rank
 def _calibrating_rank(advantages, collective, model, matched: bool = False) -> tuple[dict, list]:
     """Three steps of one microbatch on one "rank", calibrating until 2 samples are taken
     (matched passes): its risk model afterwards and the samples taken after each step;
-    ``matched``: the ranks' module calls must match (ZeRO-3)."""
+    ``matched``: the ranks' module calls must match (ZeRO-3); ``advantages`` None: a loss
+    that hands HiLoRe no coefficients (no token weights)."""
     runtime = ds_hilore.attach(model, dict(BASE, memory_budget_bytes=(1 << 30) + int(1.9e6),
                                            calibration_microbatches=2))
     _resume(runtime, _fixed_profile(runtime))
@@ -567,7 +568,10 @@ def _calibrating_rank(advantages, collective, model, matched: bool = False) -> t
     calibrated = []
     try:
         for j in range(3):
-            _microbatch(model, j, advantages)
+            if advantages is None:
+                model(input_ids=_ids(j), use_cache=False).logits.float().mean().backward()
+            else:
+                _microbatch(model, j, advantages)
             runtime.end_step()
             calibrated.append(runtime.policy.calibrated)
         return runtime.policy.risk.to_dict(), calibrated
@@ -617,6 +621,24 @@ def test_ranks_calibrate_a_group_each_where_their_module_calls_need_not_match(ma
     groups = sorted(samples)
     assert samples[next(iter(first))] == first[next(iter(first))], (samples, first)
     assert sorted(set(first) | set(second)) == groups, (samples, first, second)
+
+
+@pytest.mark.parametrize("case", ["a rank without loss mass", "no token weights"])
+def test_a_spread_calibration_counts_the_samples_taken(case):
+    """NOTE [ Calibration spread over ranks ]: a rank whose microbatch has no loss mass (every
+    advantage 0) adds no sample, the other rank's counts, and the last sample due is taken by
+    both ranks on one group; a loss that hands no coefficients is taken as exposed (as a
+    calibration without ranks takes it), so both ranks' samples count."""
+    base = _model()
+    a, b = (HIGH_01, torch.zeros(B)) if case == "a rank without loss mass" else (None, None)
+    first_a, first_b = _recorded_pair(lambda c: _calibrating_rank(a, c, copy.deepcopy(base)),
+                                      lambda c: _calibrating_rank(b, c, copy.deepcopy(base)))
+    ran_a = _calibrating_rank(a, _PairedCollective(first_b), copy.deepcopy(base))
+    ran_b = _calibrating_rank(b, _PairedCollective(first_a), copy.deepcopy(base))
+    assert ran_a == ran_b, (ran_a, ran_b)
+    samples = ran_a[0]["samples"]
+    assert ran_a[1] == ([1, 2, 2] if b is not None else [2, 2, 2]), ran_a
+    assert len(samples) == 2 and all(len(v) == 1 for v in samples.values()), samples
 
 
 def _predicting_rank(advantages, collective, model) -> dict:

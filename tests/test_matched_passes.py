@@ -230,7 +230,7 @@ def test_a_ranking_check_runs_as_many_passes_on_a_short_rank_as_on_the_others(mo
 
 
 # ---- ZeRO-3 on 2 ranks ----------------------------------------------------------------------
-CASES = ("zero3:on", "zero3:off", "zero3:pieces", "zero2:on")
+CASES = ("zero3:on", "zero3:off", "zero3:pieces", "zero2:on", "zero2:spread", "zero3:spread")
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +310,22 @@ def test_zero3_passes_in_pieces_measure_what_one_pass_measures(launched):
         for mine, theirs in zip(pieces[2:], whole[2:], strict=True):
             assert mine["measured"] == pytest.approx(theirs["measured"], rel=1e-12)
         assert rank["cases"]["zero3:pieces"]["param_sha"] == rank["cases"]["zero3:off"]["param_sha"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero2_ranks_calibrate_a_group_each_and_zero3_ranks_the_same_one(launched):
+    """NOTE [ Calibration spread over ranks ]: two samples due on 2 ranks. Under ZeRO-2 both
+    are taken in step 2, one per rank, of two groups (each rank's own microbatch); under
+    ZeRO-3 (a rank's pass must gather what the others gather) one per step, the same group
+    on both ranks. Every rank holds the same samples; training is the same as without passes."""
+    for stage, counts in (("zero2", [0, 2, 2, 2]), ("zero3", [0, 1, 2, 2])):
+        steps = [_steps(rank, f"{stage}:spread") for rank in launched]
+        assert [s["calibration"]["microbatches"] for s in steps[0]] == counts, stage
+        samples = [s[1]["calibration"]["susceptibility"] for s in steps]
+        assert samples[0] == samples[1], (stage, samples)
+        assert len(samples[0]) == (2 if stage == "zero2" else 1), (stage, samples)
+        assert all(len(v) == 1 for v in samples[0].values()), (stage, samples)
+        assert steps[0][2]["calibration"]["susceptibility"] == steps[1][2]["calibration"]["susceptibility"]
+    for rank in launched:
+        assert rank["cases"]["zero2:spread"]["param_sha"] == rank["cases"]["zero2:on"]["param_sha"]

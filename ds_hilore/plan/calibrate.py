@@ -147,8 +147,8 @@ class MatchedPasses(PassRunner):
                         capture=capture)
         if kind == "calibrate":  # NOTE [ Calibration spread over ranks ]
             self.job.spread = self._spread()
-            rank = s.runtime.collective.rank if self.job.spread > 1 else 0
-            self.job.index = s.calibrated + rank
+            self.job.index = s.calibrated if self.job.spread == 1 else \
+                max(s.calibration_draws, s.calibrated) + s.runtime.collective.rank
         self.fresh = True
         if kind == "validate":
             self.step_jobs.append(self.job)
@@ -364,6 +364,8 @@ class MatchedPasses(PassRunner):
         elif job.kind == "calibrate":
             # NOTE [ The exact gradient from training ]: measured at the end of its backward
             measured = job.measured if job.exact is not None else self._calibration(job)
+            if measured is not None and job.spread > 1:  # the next pass draws the next groups
+                s.calibration_draws = job.index - s.runtime.collective.rank + job.spread
             added = 0
             for group, error, eps in measured or []:  # the same list on every rank
                 if self._measured(error, "calibration", finite=True):  # else a later one again
@@ -401,7 +403,8 @@ class MatchedPasses(PassRunner):
             error = self._errors(job, [(actions, {})])[0]
         if job.spread == 1:  # the same risk model on every rank: the largest error, least eps
             return [(group, self._agree(error), self._least(eps))]
-        return self._gathered(job, error, eps if job.mass and sum(job.mass) > 0 else None)
+        exposed = job.mass is None or sum(job.mass) > 0  # None: no weights, taken as exposed
+        return self._gathered(job, error, eps if exposed and math.isfinite(eps) else None)
 
     # NOTE [ Calibration spread over ranks ]
     # A calibration sample costs a pass over the decoder layers (NOTE [ The exact gradient from
@@ -413,9 +416,13 @@ class MatchedPasses(PassRunner):
     # one, each a whole measurement on its rank's microbatch (its error over its own exposure),
     # so the four groups are sampled in two steps on 2 ranks instead of four. A rank whose
     # microbatch carries no loss mass adds no sample (NOTE [ A calibration with nothing
-    # exposed ]). The samples are all-reduced in one vector and folded in rank order: every
-    # rank holds the same risk model. Under ZeRO-3 (a rank's L units change no gather, but its
-    # R units do) and for the last samples due, every rank calibrates the same group, as before.
+    # exposed ]), and the next pass draws the groups after the last drawn, so that a group
+    # left unsampled comes round again. The samples are all-reduced in one vector and folded
+    # in rank order: every rank holds the same risk model. Under ZeRO-3 (a rank's pass packs
+    # its own group and recomputes the rest: another set of module calls than the others'),
+    # wherever the ranks' calls must match (``matched_calls``: also a multi-rank ``attach``,
+    # which cannot tell what gathers), and for the last samples due, every rank calibrates the
+    # same group, as before.
     def _spread(self) -> int:
         """How many ranks calibrate a group each in the next calibration (NOTE [ Calibration
         spread over ranks ]): the same on every rank."""
@@ -430,17 +437,17 @@ class MatchedPasses(PassRunner):
         """Every rank's sample of a spread calibration, in rank order (NOTE [ Calibration spread
         over ranks ]); ``eps`` None where this rank's microbatch had no loss mass."""
         collective = self.scheduler.runtime.collective
-        values = [0.0] * (4 * job.spread)
-        k = 4 * collective.rank
-        if eps is not None:  # (finite error, error is NaN, error is inf, eps)
-            values[k:k + 4] = [error if math.isfinite(error) else 0.0, float(math.isnan(error)),
-                               float(error == math.inf), eps]
+        values = [0.0] * (5 * job.spread)
+        k = 5 * collective.rank
+        if eps is not None:  # (a sample, finite error, error is NaN, error is inf, eps)
+            values[k:k + 5] = [1.0, error if math.isfinite(error) else 0.0,
+                               float(math.isnan(error)), float(error == math.inf), eps]
         values = collective.all_reduce_sum(values)
         samples = []
         for rank in range(job.spread):
-            value, nan, inf, eps_r = values[4 * rank:4 * rank + 4]
-            if eps_r <= 0 and not nan and not inf:
-                continue  # nothing exposed there, or nothing packed
+            present, value, nan, inf, eps_r = values[5 * rank:5 * rank + 5]
+            if not present:
+                continue  # nothing exposed there
             group = self._calibration_subset(job.bucket, job.index - collective.rank + rank)[0]
             samples.append((group, math.nan if nan else math.inf if inf else value, eps_r))
         return samples

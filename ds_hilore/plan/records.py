@@ -65,7 +65,7 @@ def _estimates(scheduler, stats: dict) -> dict:
 def state_dict(scheduler) -> dict[str, Any]:
     profiled = {k: b for k, b in scheduler.buckets.items() if b.profile}
     return {"risk": scheduler.risk.to_dict(), "tighten": scheduler.tighten,
-            "calibrated": scheduler.calibrated,
+            "calibrated": scheduler.calibrated, "calibration_draws": scheduler.calibration_draws,
             "step_exposure": scheduler.step_exposure.to_dict(),
             "profiles": [b.profile.to_dict() for b in profiled.values()],
             "excluded": {_name(k): sorted(b.excluded) for k, b in profiled.items()},
@@ -82,6 +82,7 @@ def load_state_dict(scheduler, state: dict[str, Any]) -> None:
     scheduler.risk = RiskModel.from_dict(state.get("risk", {}))
     scheduler.tighten = float(state.get("tighten", 1.0))
     scheduler.calibrated = int(state.get("calibrated", 0))
+    scheduler.calibration_draws = int(state.get("calibration_draws", scheduler.calibrated))
     scheduler.step_exposure = StepExposure.from_dict(state.get("step_exposure", {}))
     for data in state.get("profiles", []):
         profile = BucketProfile.from_dict(data)

@@ -77,6 +77,7 @@ class Scheduler:
         self.last_fit: tuple[float, list[str]] | None = None  # (estimate, units sent to R)
         self.zero_skips = False  # the last ω was the loss's: NOTE [ A microbatch predicted zero ]
         self.calibrated = 0  # microbatches calibrated so far
+        self.calibration_draws = 0  # groups drawn so far (NOTE [ Calibration spread over ranks ])
         self.steps = 0
         self.alloc_s = 0.0  # this step's allocation time
         self.step_stats: dict[str, Any] = {}

@@ -4,9 +4,11 @@ Run by tests.launch.run_distributed. Each ``--case`` is ``<stage>:<passes>``, on
 the other in one launch, every one on the same data:
 
 * stage: ``zero3`` (ZeRO-3, small parameters persistent) or ``zero2``;
-* passes: ``on`` (one calibrated microbatch, then every step validated), ``off`` (neither), or
+* passes: ``on`` (one calibrated microbatch, then every step validated), ``off`` (neither),
   ``pieces`` (as ``on``, with the passes' spare memory taken as 0: every pass runs layer by
-  layer, NOTE [ What a pass holds ] in ds_hilore/plan/pass_runner.py).
+  layer, NOTE [ What a pass holds ] in ds_hilore/plan/pass_runner.py), or ``spread`` (as
+  ``on`` with two calibration samples: NOTE [ Calibration spread over ranks ] in
+  ds_hilore/plan/calibrate.py).
 
 Once the bucket is profiled its plan packs the attention units (S and L, the same on every
 rank; an L MLP stores other tensors under ZeRO-3 than under ZeRO-2, so its error would differ
@@ -59,7 +61,7 @@ def ds_config(stage: str, passes: str) -> dict:
             "zero_allow_untested_optimizer": True,
             "hilore": {"enabled": True, "memory_budget": 4.0, "low_precision": "int8",
                        "codec_backend": "eager", "min_pack_numel": 64, "profile_microbatches": GAS,
-                       "calibration_microbatches": 1 if on else 0,
+                       "calibration_microbatches": 2 if passes == "spread" else 1 if on else 0,
                        "validation_interval": 1 if on else 0,
                        "plan_validation_microbatches": 0, "grad_error_tolerance": 0.9}}
 
