@@ -80,8 +80,12 @@ class _Job:
     capture: bool = False
     exact: dict | None = None  # parameter position -> its exact gradient, as captured
     measured: list | None = None  # what ``_calibration`` measured at the end of its backward
-    index: int = 0  # this rank's calibration sample (NOTE [ Calibration spread over ranks ])
-    spread: int = 1  # how many ranks calibrate a group each in this job
+    first: int = 0  # the pass's first draw: rank r's is first + r where the ranks calibrate
+    spread: int = 1  # a group each, ``spread`` of them (NOTE [ Calibration spread over ranks ])
+
+    def index(self, rank: int) -> int:
+        """The draw ``rank`` calibrates in this pass."""
+        return self.first + (rank if self.spread > 1 else 0)
 
 
 class MatchedPasses(PassRunner):
@@ -147,8 +151,8 @@ class MatchedPasses(PassRunner):
                         capture=capture)
         if kind == "calibrate":  # NOTE [ Calibration spread over ranks ]
             self.job.spread = self._spread()
-            self.job.index = s.calibrated if self.job.spread == 1 else \
-                max(s.calibration_draws, s.calibrated) + s.runtime.collective.rank
+            self.job.first = s.calibrated if self.job.spread == 1 else \
+                max(s.calibration_draws, s.calibrated)
         self.fresh = True
         if kind == "validate":
             self.step_jobs.append(self.job)
@@ -310,7 +314,7 @@ class MatchedPasses(PassRunner):
         if bucket.budget_bytes is None or bucket.profile is None:
             return True
         scale = bucket.byte_scale or {}
-        _, names, _ = self._calibration_subset(bucket, job.index)
+        _, names, _ = self._calibration_subset(bucket, job.index(self._rank()))
         per_layer: dict[int, float] = {}
         packed = 0.0
         for cost in bucket.profile.units:
@@ -365,7 +369,7 @@ class MatchedPasses(PassRunner):
             # NOTE [ The exact gradient from training ]: measured at the end of its backward
             measured = job.measured if job.exact is not None else self._calibration(job)
             if measured is not None and job.spread > 1:  # the next pass draws the next groups
-                s.calibration_draws = job.index - s.runtime.collective.rank + job.spread
+                s.calibration_draws = job.first + job.spread
             added = 0
             for group, error, eps in measured or []:  # the same list on every rank
                 if self._measured(error, "calibration", finite=True):  # else a later one again
@@ -394,7 +398,7 @@ class MatchedPasses(PassRunner):
         every rank."""
         if not self._exposed_anywhere(job):  # NOTE [ A calibration with nothing exposed ]
             return None
-        group, names, _ = self._calibration_subset(job.bucket, job.index)
+        group, names, _ = self._calibration_subset(job.bucket, job.index(self._rank()))
         eps = _exposed_eps(job, names)
         actions = {n: ("L" if n in names else "R") for n in job.executed}
         if job.exact is not None:  # NOTE [ The exact gradient from training ]
@@ -412,7 +416,7 @@ class MatchedPasses(PassRunner):
     # calibrating the same group, N ranks pay N passes for one sample (the largest error over
     # the least exposure). Where the ranks' module calls need not match (ZeRO 0-2: a pass on
     # one rank gathers nothing the others must gather too) and at least N samples are still
-    # due, rank r calibrates the group of sample ``calibrated + r``: N samples for the price of
+    # due, rank r calibrates the group of the pass's first draw + r: N samples for the price of
     # one, each a whole measurement on its rank's microbatch (its error over its own exposure),
     # so the four groups are sampled in two steps on 2 ranks instead of four. A rank whose
     # microbatch carries no loss mass adds no sample (NOTE [ A calibration with nothing
@@ -433,6 +437,10 @@ class MatchedPasses(PassRunner):
         world = collective.world_size
         return world if s.config.calibration_microbatches - s.calibrated >= world else 1
 
+    def _rank(self) -> int:
+        collective = self.scheduler.runtime.collective
+        return collective.rank if collective is not None else 0
+
     def _gathered(self, job: _Job, error: float, eps: float | None) -> list[tuple[str, float, float]]:
         """Every rank's sample of a spread calibration, in rank order (NOTE [ Calibration spread
         over ranks ]); ``eps`` None where this rank's microbatch had no loss mass."""
@@ -448,7 +456,7 @@ class MatchedPasses(PassRunner):
             present, value, nan, inf, eps_r = values[5 * rank:5 * rank + 5]
             if not present:
                 continue  # nothing exposed there
-            group = self._calibration_subset(job.bucket, job.index - collective.rank + rank)[0]
+            group = self._calibration_subset(job.bucket, job.index(rank))[0]
             samples.append((group, math.nan if nan else math.inf if inf else value, eps_r))
         return samples
 
