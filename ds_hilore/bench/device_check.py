@@ -120,10 +120,15 @@ def _opened(method: str, base, args, budget: float | None = None, **block):
             runtime.detach()
 
 
+# all H through the layers' frames, as a budgeted plan stores (the method itself keeps what
+# nogc keeps, without frames: NOTE [ A layer that keeps everything ] in runtime/calling.py)
+_FRAMED = {"hilore_all_h": {"derive_pointwise": True, "elide_zero_rows": "auto"}}
+
+
 def _exactness(base, args, steps) -> dict[str, Any]:
     grads = {}
     for method in ("gc", "hilore_all_h", "hilore_all_r"):
-        with _opened(method, base, args) as run:
+        with _opened(method, base, args, **_FRAMED.get(method, {})) as run:
             grads[method] = _grads(run, steps[0])
             if method == "gc":
                 grads["gc_again"] = _grads(run, steps[0])
@@ -152,7 +157,8 @@ def _elision(base, args, steps, noise: float) -> dict[str, Any]:
             with _opened("gc", base, args) as gc:
                 refs[name] = _grads(gc, micro)
         try:
-            with _opened("hilore_all_h", base, args, elide_zero_rows=setting) as run:
+            with _opened("hilore_all_h", base, args,
+                         **{**_FRAMED["hilore_all_h"], "elide_zero_rows": setting}) as run:
                 runtime = run.runtime
                 runtime.zero_backward_skip = skip
                 _grads(run, micro)  # the discovery step

@@ -76,8 +76,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # the machinery's own cost: forced all-R (against gc) and all-H (against nogc)
     Method("hilore_all_r", "HiLoRe forced all R (its machinery's cost against gc)",
            engine="hilore", hilore={"force_plan": "R"}, exact=True),
-    Method("hilore_all_h", "HiLoRe forced all H (its machinery's cost against nogc)",
-           engine="hilore", hilore={"force_plan": "H"}, exact=True),
+    Method("hilore_all_h", "HiLoRe forced all H, keeping what nogc keeps (nothing re-derived, "
+           "nothing elided): its machinery's cost against nogc", engine="hilore",
+           hilore={"force_plan": "H", "derive_pointwise": False, "elide_zero_rows": False},
+           exact=True),
 )}
 
 
@@ -92,17 +94,17 @@ def hilore_block(method: Method, *, budget: float | None, tolerance: float | Non
                  codec_backend: str, elide_zero_rows: Any = "auto", block_k: int = 0,
                  layers: int = 0) -> dict[str, Any]:
     """The ds_config's ``"hilore"`` block of a HiLoRe method's run: the codec backend, the
-    memory budget (budgeted methods), the error tolerance, ``elide_zero_rows`` (unless
-    "auto"), then the method's own keys; ``block_h``: the last ``block_k`` of ``layers``
+    memory budget (budgeted methods), the error tolerance, the method's own keys, then
+    ``elide_zero_rows`` (unless "auto"); ``block_h``: the last ``block_k`` of ``layers``
     layers H, the rest R."""
     block: dict[str, Any] = {"codec_backend": codec_backend}
-    if elide_zero_rows != "auto":
-        block["elide_zero_rows"] = elide_zero_rows
     if method.budgeted and budget is not None:
         block["memory_budget"] = float(budget)
     if tolerance is not None:
         block["grad_error_tolerance"] = float(tolerance)
     block.update(method.hilore)
+    if elide_zero_rows != "auto":  # asked for: over the method's own
+        block["elide_zero_rows"] = elide_zero_rows
     if method.searched:
         plan = {"*": "R"}
         for i in range(layers - block_k, layers):

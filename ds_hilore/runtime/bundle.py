@@ -128,6 +128,9 @@ class LayerFrame:
         self.elision_checked = False  # the backward checks elided rows (same on every rank)
         self.check_every_layer = False  # hidden states are recorded: check this layer too
         self.skip_zero_recompute = False  # every rank agreed: all sequences elided
+        # the shape key under which its bytes are learnt, where it keeps what autograd keeps
+        # (NOTE [ A layer that keeps everything ] in calling.py)
+        self.whole_key: tuple | None = None
 
     @property
     def sequences(self) -> int:

@@ -87,7 +87,11 @@ class LayerCalls:
             plan = CapturePlan(["R"] * len(layer.units))
         if self._checkpointed(layer, plan, mb):
             return self._run_checkpointed(layer, mb, function, args)
+        whole = self._keeps_everything(layer, plan, mb, function, args)
+        if whole is not None and whole in layer.whole_bytes and layer.row_safe is not None:
+            return self._run_whole(layer, mb, function, args, whole)
         frame = LayerFrame(layer, function, args, plan, mb)
+        frame.whole_key = whole  # its bytes serve the calls without a frame at this shape
         if mb.packed is not False:  # one-row inputs only: position_ids are (1, T) for any batch
             mb.packed = frame.batch == 1 and self._packed_sequences(mb, frame, function)
         mb.frames[layer.index] = weakref.ref(frame)
@@ -100,7 +104,9 @@ class LayerCalls:
         hidden = _hidden_of(out)
         if hidden is not None and hidden.requires_grad:
             if last and self.zero_backward_skip:  # NOTE [ A backward of zeros ] in zero_backward.py
-                gated = gate(hidden, mb, [p for p in self.model.parameters() if p.requires_grad])
+                if self._trainable is None:  # listed once per optimizer step (end_step)
+                    self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+                gated = gate(hidden, mb, self._trainable)
                 out = _replaced(out, hidden, gated)
                 hidden, mb.gated = gated, True
             hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, weakref.ref(frame), last))
@@ -198,6 +204,59 @@ class LayerCalls:
             and mb.split is None and layer.row_safe is not None \
             and all(a == "R" for a in plan.actions) \
             and not getattr(self.policy, "predicted_zero", False)
+
+    # NOTE [ A layer that keeps everything ]
+    # A layer whose every unit is H, in a microbatch that keeps what autograd keeps -- no
+    # pointwise tensor re-derived (``mb.derive`` false: NOTE [ Derived tensors ] in derived.py)
+    # and no zero sequence's bytes taken out of its storages (elision off or ``"whole"`` on
+    # this device, or the policy keeps them whole: ``Scheduler.keeps_whole``) -- stores through
+    # its frame exactly what autograd saves without one; the pack hook on every saved tensor,
+    # the weights' recognition and the slots' bookkeeping only cost host time (a few ms per
+    # layer and microbatch where layers are small). It runs as the model does without
+    # checkpointing, with the elision's hook on its output as any layer. Its bytes are
+    # reported as its frame counted them for inputs of the same shapes (and autocast): the
+    # first call at a shape runs through the frame, later ones without it.
+    # Not where a frame is wanted for more than keeping: the last HiLoRe layer (its frame
+    # carries the microbatch's checks), a profiled microbatch, one whose token norms are wanted
+    # or that a matched pass weighs by its units' exposure (calibration, the held-out ranking:
+    # the frames' token norms give it), rows split or predicted zero; nor where the layer's
+    # parameters are partitioned between calls (ZeRO-3, FSDP), which a frame references rather
+    # than holds. Below a gate that skips the backward (NOTE [ A backward of zeros ] in
+    # zero_backward.py) its nodes get no gradient and have nothing to recompute: allowed there,
+    # unlike a layer that keeps nothing. What it gives up: a microbatch whose every sequence is
+    # zero keeps its bytes here (a frame would drop them; within the budget, which priced
+    # them), and its units cannot be downgraded after its forward. Whether a layer runs so may
+    # differ between ranks (a shape met first on one of them): no collective depends on it,
+    # neither path issues one in the forward and the backward's first reads are the last
+    # layer's.
+    def _keeps_everything(self, layer: LayerUnits, plan, mb: Microbatch, function,
+                          args: tuple) -> tuple | None:
+        """The shape key of a call that may run without a frame (NOTE [ A layer that keeps
+        everything ]), else None."""
+        if mb.derive or layer.index == self._last_active \
+                or mb.profile is not None or mb.norms_all or mb.pass_job is not None \
+                or mb.split is not None or any(a != "H" for a in plan.actions) \
+                or any(rows is not None for rows in plan.rows) \
+                or getattr(self.policy, "predicted_zero", False) \
+                or self._weights.partitioned(layer.module):
+            return None
+        keywords = getattr(function, "keywords", None) or {}
+        device = hidden_input(args, keywords).device
+        if self.elision_mode(device) is True and not (
+                self.policy is not None and self.policy.keeps_whole(mb)):
+            return None
+        autocast = torch.get_autocast_dtype(device.type) \
+            if torch.is_autocast_enabled(device.type) else None
+        return _shapes(args) + _shapes(tuple(keywords.items())) + (autocast,)
+
+    def _run_whole(self, layer: LayerUnits, mb: Microbatch, function, args: tuple, key: tuple):
+        mb.whole[layer.index] = key
+        mb.last_layer = layer.index
+        out = function(*args)
+        hidden = _hidden_of(out)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, _NO_FRAME, False))
+        return out
 
     def _run_checkpointed(self, layer: LayerUnits, mb: Microbatch, function, args: tuple):
         mb.checkpointed.add(layer.index)
@@ -297,6 +356,21 @@ class LayerCalls:
 
 def _NO_FRAME():  # noqa: N802 -- a dead weak reference: a checkpointed layer has no frame
     return None
+
+
+def _shapes(values) -> tuple:
+    """What a layer's saved bytes depend on among its arguments: each tensor's shape, dtype
+    and whether it requires grad, through tuples, lists and (name, value) pairs; the rest by
+    type (a cache, a flag)."""
+    out = []
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            out.append((tuple(x.shape), x.dtype, x.requires_grad))
+        elif isinstance(x, (tuple, list)):
+            out.append(_shapes(x))
+        else:
+            out.append(x if isinstance(x, (str, int, float, bool, type(None))) else type(x))
+    return tuple(out)
 
 
 def _replaced(out, old: torch.Tensor, new: torch.Tensor):

@@ -102,6 +102,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         self._last_step: list[dict] | None = None
         self._steps_closed = 0  # the number of the last step end_step closed (stats["step"])
         self._step_first = 0  # index of the step in progress's first microbatch
+        self._trainable: list | None = None  # the gate's parameters, listed once per step
         self._live_mbs: "weakref.WeakSet[Microbatch]" = weakref.WeakSet()
         self._elision = Elision(self)
         self._warned_elision = False
@@ -301,6 +302,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
             self.policy.end_step()
             self._warn_if_never_planned()
         self._last_step, self._step = self._step, []
+        self._trainable = None  # what trains may change between optimizer steps
         self._steps_closed = self._steps_closed + 1 if step is None else int(step)
         self._step_first = self._n_microbatches
 

@@ -66,6 +66,9 @@ class Microbatch:
         self.unit_risks: dict[str, float] = {}  # the policy's risk of its units (the risk fit)
         self.as_gc = False  # it ran as gradient checkpointing (NOTE [ Never slower than GC ])
         self.checkpointed: set[int] = set()  # layers run without a frame (NOTE [ A layer that keeps nothing ])
+        # layers run without a frame, keeping what autograd keeps: layer -> the shape their
+        # bytes were counted at (NOTE [ A layer that keeps everything ] in calling.py)
+        self.whole: dict[int, tuple] = {}
         self.split = None  # its rows kept and run without autograd (NOTE [ Kept rows only ] in rows.py)
         self.rows_refused = False  # planned for its kept rows, run whole and all R instead
         self.rows_due = False  # some rank split its rows: their merges leave late flags (agreed)

@@ -22,14 +22,24 @@ def summarise(layers, mb) -> None:
                 unit.action, unit.nbytes = "R", 0
             actions["R"] += len(layer.units)
             continue
+        if frame is None and layer.index in mb.whole:  # NOTE [ A layer that keeps everything ]
+            for unit, held in zip(layer.units, layer.whole_bytes[mb.whole[layer.index]]):
+                unit.action, unit.nbytes = "H", held
+                actions["H"] += 1
+                nbytes["H"] += held
+            continue
         if frame is None:
             continue
+        learnt = []
         for pos, unit in enumerate(layer.units):
             action, held = frame.unit_summary(pos)
             unit.action, unit.nbytes = action, sum(held.values())
             actions[action] += 1
             for k, v in held.items():
                 nbytes[k] += v
+            learnt.append(held.get("H", 0) if action == "H" and not held.get("L") else None)
+        if frame.whole_key is not None and None not in learnt:
+            layer.whole_bytes[frame.whole_key] = learnt
     split = mb.split  # NOTE [ Kept rows only ] in rows.py: its zero rows were never kept
     mb.summary.update(index=mb.index, actions=actions, bytes=nbytes, counters=mb.counters,
                       exposure_source=mb.source,

@@ -128,6 +128,9 @@ class LayerUnits:
     # called by rows alike (no random draws, outputs put back by rows): known from its first
     # call through a frame (NOTE [ Kept rows only ] in rows.py)
     row_safe: bool | None = None
+    # bytes per unit its frame kept, by input shape, where it keeps what autograd keeps (NOTE
+    # [ A layer that keeps everything ] in calling.py)
+    whole_bytes: dict = field(default_factory=dict)
 
     @property
     def signature(self) -> tuple:

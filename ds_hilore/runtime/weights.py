@@ -56,6 +56,12 @@ class WeightRecognizer:
         self._ptrs: dict[int, tuple[int, dict[int, nn.Parameter]]] = {}  # NOTE [ Aliases, by address ]
         self._frozen: dict[int, set] = {}  # id(params) -> (shape, dtype) of its frozen parameters
 
+    def partitioned(self, layer_module: nn.Module) -> bool:
+        """Whether the layer's parameters are partitioned between its calls (ZeRO-3's, or
+        FSDP's sharded DTensors): their storage is freed or swapped after use."""
+        params = self.params[id(layer_module)]
+        return id(layer_module) in self.swapped or bool(params) and hasattr(params[0], "ds_id")
+
     def __call__(self, t: torch.Tensor, layer_module: nn.Module,
                  epoch: int | None = None) -> WeightRef | None:
         """``epoch``: the microbatch the call belongs to (NOTE [ Aliases, by address ])."""

@@ -1,0 +1,202 @@
+"""A layer whose every unit is H, in a microbatch that keeps what autograd keeps, runs without
+its frame (NOTE [ A layer that keeps everything ] in ds_hilore/runtime/calling.py): asserted on
+the pack hooks its frame would have run, on gradients bitwise equal to the model without
+HiLoRe, on the bytes reported (its frame's, at the same shapes) and kept (the same storages),
+and on where it still runs through its frame."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import VOCAB, batch, loss_and_grads, one_torch_thread, planner_model, tiny_model, with_lora
+
+import ds_hilore
+from ds_hilore.grpo import policy_loss
+from ds_hilore.runtime import bundle
+from ds_hilore.runtime.memory import LiveStorages
+
+WHOLE = {"force_plan": "H", "low_precision": "none", "derive_pointwise": False,
+         "elide_zero_rows": False}
+LAYERS = 3
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
+
+
+class _Packs:
+    """Counts the frames' pack-hook calls, per layer index."""
+
+    def __init__(self, monkeypatch):
+        self.by_layer: dict[int, int] = {}
+        pack = bundle.LayerFrame._pack
+
+        def counted(frame, t):
+            self.by_layer[frame.layer.index] = self.by_layer.get(frame.layer.index, 0) + 1
+            return pack(frame, t)
+        monkeypatch.setattr(bundle.LayerFrame, "_pack", counted)
+
+    def take(self) -> dict[int, int]:
+        out, self.by_layer = self.by_layer, {}
+        return out
+
+
+def _bitwise(ref: dict, got: dict) -> bool:
+    return ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def _live_after_forward(model, inputs) -> int:
+    """Bytes of the storages the forward made and kept (autograd's and the runtime's)."""
+    with LiveStorages() as tracker:
+        logits = model(**inputs).logits
+    kept = tracker.live_bytes()
+    logits.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    return kept
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_layer_that_keeps_everything_runs_without_its_frame_bitwise(lora, monkeypatch):
+    """The first microbatch of a shape runs through the frames (its bytes are learnt), the next
+    ones without a frame below the last layer: no pack hook there, the same gradients bitwise
+    as the model without HiLoRe, the same bytes reported; a new shape is learnt again."""
+    model = tiny_model("qwen2", layers=LAYERS, dropout=False)
+    model = with_lora(model) if lora else model
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, dict(WHOLE))
+    packs = _Packs(monkeypatch)
+    try:
+        loss_and_grads(model, batch(seq=8))  # discovery
+        runtime.end_step()
+        packs.take()
+        for seq, framed in ((16, True), (16, False), (16, False), (24, True), (24, False)):
+            inputs = batch(seq=seq, seed=seq)
+            _, want = loss_and_grads(ref, inputs)
+            _, got = loss_and_grads(model, inputs)
+            assert _bitwise(want, got), (seq, framed)
+            mb = runtime._mb
+            counted = packs.take()
+            if framed:
+                assert mb.whole == {} and sorted(counted) == list(range(LAYERS)), (seq, counted)
+            else:  # the last HiLoRe layer keeps its frame: it carries the microbatch's checks
+                assert sorted(mb.whole) == list(range(LAYERS - 1)), seq
+                assert sorted(counted) == [LAYERS - 1], counted
+            runtime.end_step()
+            stats = runtime.stats
+            assert stats["actions"] == {"H": 2 * LAYERS, "L": 0, "R": 0, "E": 0}
+            if framed:
+                learnt = stats["bytes"]["H"]
+            assert stats["bytes"]["H"] == learnt > 0, (seq, framed)
+    finally:
+        runtime.detach()
+
+
+def test_without_a_frame_it_keeps_the_storages_its_frame_kept():
+    """What the forward leaves alive is the same, byte for byte, through the frames and
+    without them: the frame held autograd's own tensors, nothing more."""
+    model = tiny_model("llama", layers=LAYERS, dropout=False)
+    runtime = ds_hilore.attach(model, dict(WHOLE))
+    inputs = batch(seq=32)
+    try:
+        loss_and_grads(model, inputs)  # discovery
+        runtime.end_step()
+        framed = _live_after_forward(model, batch(seq=16))
+        assert runtime._mb.whole == {}
+        runtime.end_step()
+        without = _live_after_forward(model, batch(seq=16))
+        assert sorted(runtime._mb.whole) == list(range(LAYERS - 1))
+        runtime.end_step()
+        assert without == framed > 0
+    finally:
+        runtime.detach()
+
+
+MIXED = {"*": "H", "model.layers.1.mlp": "R"}
+
+
+@pytest.mark.parametrize("config, plan, whole", [
+    ({}, None, [0, 1]),
+    # the defaults: pointwise tensors re-derived, zero sequences elided
+    ({"derive_pointwise": True, "elide_zero_rows": "auto"}, None, []),
+    ({"derive_pointwise": True}, None, []),  # re-derived: the frame keeps less than autograd
+    ({"elide_zero_rows": True}, None, []),  # a zero sequence's bytes would be taken out
+    ({"elide_zero_rows": "whole"}, None, [0, 1]),  # only a microbatch all zero: else whole
+    ({"force_plan": None}, MIXED, [0]),  # layer 1 keeps less (its MLP recomputed)
+])
+def test_a_layer_keeps_its_frame_where_the_frame_keeps_less(config, plan, whole):
+    model = tiny_model("qwen2", layers=LAYERS, dropout=False)
+    runtime = ds_hilore.attach(model, {**WHOLE, **config})
+    inputs = batch(seq=16)
+    try:
+        for _ in range(3):
+            loss_and_grads(model, inputs)
+            runtime.end_step()
+            if plan is not None:
+                runtime.set_plan(plan)
+        assert sorted(runtime._mb.whole) == whole
+    finally:
+        runtime.detach()
+
+
+B, T, PROMPT = 4, 48, 8
+
+
+def _grpo_microbatch(model, seed: int, advantages: torch.Tensor) -> None:
+    ids = torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(1000 + seed))
+    mask = torch.ones(B, T - 1)
+    mask[:, :PROMPT] = 0
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    policy_loss(logp, logp.detach(), advantages, mask, model=model).loss.backward()
+
+
+def _grads(model) -> list:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_below_a_gate_that_skips_the_backward_it_computes_nothing_and_stays_exact():
+    """A microbatch whose coefficients are all zero skips its layers' backward (NOTE [ A
+    backward of zeros ]) with the layers below the last run without frames: the step's
+    gradients are bitwise those of the model without HiLoRe."""
+    model = planner_model()
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, {**WHOLE, "elide_zero_rows": "whole"})
+    spread, zero = torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.zeros(B)
+    try:
+        for step in range(3):
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+                _grpo_microbatch(m, 2 * step, zero)
+                whole = sorted(runtime._mb.whole) if m is model else whole
+                _grpo_microbatch(m, 2 * step + 1, spread)
+            stats = runtime.stats
+            runtime.end_step()
+            assert all((a is None) == (b is None) and (a is None or torch.equal(a, b))
+                       for a, b in zip(_grads(model), _grads(ref))), step
+            if step:
+                assert whole == [0] and stats["backward_skipped"] == 1, (whole, stats)
+    finally:
+        runtime.detach()
+
+
+def test_a_bucket_planned_to_store_everything_runs_its_layers_without_frames():
+    """The allocator's plan for a budget that every unit fits stores every unit whole: nothing
+    is re-derived and zero sequences stay in whole storages (``Scheduler.keeps_whole``), so
+    after its warm-up the layers below the last run without frames, a zero sequence in the
+    microbatch or not."""
+    model = planner_model()
+    runtime = ds_hilore.attach(model, {"memory_budget": 10.0, "low_precision": "none"})
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    try:
+        seen = []
+        for step in range(16):
+            _grpo_microbatch(model, step, advantages)
+            mb = runtime._mb
+            stats = runtime.stats
+            model.zero_grad(set_to_none=True)
+            runtime.end_step()
+            if not stats.get("warm_up") and stats["actions"]["H"] == 4:
+                seen.append(sorted(mb.whole))
+        assert seen and all(w == [0] for w in seen), seen
+    finally:
+        runtime.detach()
