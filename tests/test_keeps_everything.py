@@ -200,3 +200,20 @@ def test_a_bucket_planned_to_store_everything_runs_its_layers_without_frames():
         assert seen and all(w == [0] for w in seen), seen
     finally:
         runtime.detach()
+
+
+def test_a_unit_of_a_layer_run_without_its_frame_says_why_it_cannot_be_downgraded():
+    model = tiny_model("qwen2", layers=LAYERS, dropout=False)
+    runtime = ds_hilore.attach(model, dict(WHOLE))
+    inputs = batch(seq=16)
+    try:
+        for _ in range(2):
+            loss_and_grads(model, inputs)
+            runtime.end_step()
+        model(**inputs)  # the forward only: its microbatch is alive
+        assert sorted(runtime._mb.whole) == list(range(LAYERS - 1))
+        with pytest.raises(ds_hilore.HiLoReError, match="ran without a frame.*derive_pointwise"):
+            runtime.downgrade("model.layers.0.mlp", "R")
+        runtime.downgrade(f"model.layers.{LAYERS - 1}.mlp", "R")  # the last layer's frame
+    finally:
+        runtime.detach()

@@ -93,6 +93,13 @@ class Plans:
         unit = self._unit(name)
         mb = self._mb if mb is None else mb
         frame = mb.frame(unit.layer_index) if mb is not None else None
+        if frame is None and mb is not None and unit.layer_index in mb.whole:
+            raise HiLoReError(
+                f"downgrade({name!r}): its layer ran without a frame this microbatch, keeping "
+                "what autograd keeps (every unit H, nothing re-derived or elided: NOTE [ A layer "
+                "that keeps everything ] in runtime/calling.py), so nothing of it can be "
+                "downgraded; set derive_pointwise to true in the \"hilore\" block to keep the "
+                "frames of H units.")
         if frame is None:
             raise HiLoReError(f"downgrade({name!r}): no microbatch of this unit is alive; call it "
                               "between the forward and the backward of a microbatch.")
