@@ -210,10 +210,11 @@ def test_a_unit_of_a_layer_run_without_its_frame_says_why_it_cannot_be_downgrade
         for _ in range(2):
             loss_and_grads(model, inputs)
             runtime.end_step()
-        model(**inputs)  # the forward only: its microbatch is alive
+        out = model(**inputs)  # the forward only: its microbatch is alive while out is
         assert sorted(runtime._mb.whole) == list(range(LAYERS - 1))
         with pytest.raises(ds_hilore.HiLoReError, match="ran without a frame.*derive_pointwise"):
             runtime.downgrade("model.layers.0.mlp", "R")
         runtime.downgrade(f"model.layers.{LAYERS - 1}.mlp", "R")  # the last layer's frame
+        del out
     finally:
         runtime.detach()
