@@ -218,3 +218,25 @@ def test_a_unit_of_a_layer_run_without_its_frame_says_why_it_cannot_be_downgrade
         del out
     finally:
         runtime.detach()
+
+
+def test_the_bytes_reported_without_a_frame_leave_out_the_frames_token_norms():
+    """With a codec the frames of H units also keep their exposure's token norms ((B, T) fp32
+    each), which a layer run without its frame never computes: its reported bytes are the
+    frame's less those, and match what stays alive."""
+    model = tiny_model("qwen2", layers=LAYERS, dropout=False)
+    runtime = ds_hilore.attach(model, {**WHOLE, "low_precision": "int8", "codec_backend": "eager"})
+    inputs = batch(seq=16)
+    try:
+        framed_live = _live_after_forward(model, inputs)  # the shape's first call: framed
+        assert runtime._mb.whole == {}
+        runtime.end_step()
+        framed = runtime.stats["bytes"]["H"]
+        without_live = _live_after_forward(model, inputs)
+        assert sorted(runtime._mb.whole) == list(range(LAYERS - 1))
+        runtime.end_step()
+        without = runtime.stats["bytes"]["H"]
+        norms = 2 * (LAYERS - 1) * inputs["input_ids"].numel() * 4  # two units a layer
+        assert framed - without == norms == framed_live - without_live
+    finally:
+        runtime.detach()

@@ -214,8 +214,9 @@ class LayerCalls:
     # the weights' recognition and the slots' bookkeeping only cost host time (a few ms per
     # layer and microbatch where layers are small). It runs as the model does without
     # checkpointing, with the elision's hook on its output as any layer. Its bytes are
-    # reported as its frame counted them for inputs of the same shapes (and autocast): the
-    # first call at a shape runs through the frame, later ones without it.
+    # reported as its frame counted them for inputs of the same shapes (and autocast), less the
+    # exposure's token norms only a frame computes: the first call at a shape runs through the
+    # frame, later ones without it.
     # Not where a frame is wanted for more than keeping: the last HiLoRe layer (its frame
     # carries the microbatch's checks), a profiled microbatch, one whose token norms are wanted
     # or that a matched pass weighs by its units' exposure (calibration, the held-out ranking:

@@ -37,7 +37,10 @@ def summarise(layers, mb) -> None:
             actions[action] += 1
             for k, v in held.items():
                 nbytes[k] += v
-            learnt.append(held.get("H", 0) if action == "H" and not held.get("L") else None)
+            # what autograd keeps: not the exposure's token norms, which only a frame computes
+            norms = frame.units[pos].token_norms
+            kept = held.get("H", 0) - (0 if norms is None else norms.untyped_storage().nbytes())
+            learnt.append(kept if action == "H" and not held.get("L") else None)
         if frame.whole_key is not None and None not in learnt:
             layer.whole_bytes[frame.whole_key] = learnt
     split = mb.split  # NOTE [ Kept rows only ] in rows.py: its zero rows were never kept
