@@ -199,11 +199,16 @@ class LayerCalls:
     # that hands it no gradient still recomputes when autograd reaches its nodes (their
     # saved tensors are unpacked before the gradients are looked at), where a frame skips it.
     def _checkpointed(self, layer: LayerUnits, plan, mb: Microbatch) -> bool:
-        return not self.zero_backward_skip and layer.index != self._last_active \
-            and mb.profile is None and not mb.norms_all \
-            and mb.split is None and layer.row_safe is not None \
-            and all(a == "R" for a in plan.actions) \
-            and not getattr(self.policy, "predicted_zero", False)
+        return not self.zero_backward_skip and not self._frame_wanted(layer, mb) \
+            and layer.row_safe is not None and all(a == "R" for a in plan.actions)
+
+    def _frame_wanted(self, layer: LayerUnits, mb: Microbatch) -> bool:
+        """Whether ``layer`` runs through its frame for more than what it keeps, whatever its
+        plan: the last HiLoRe layer, a profiled microbatch, token norms of every unit wanted,
+        rows split or predicted zero (NOTE [ A layer that keeps nothing ], NOTE [ A layer that
+        keeps everything ])."""
+        return layer.index == self._last_active or mb.profile is not None or mb.norms_all \
+            or mb.split is not None or getattr(self.policy, "predicted_zero", False)
 
     # NOTE [ A layer that keeps everything ]
     # A layer whose every unit is H, in a microbatch that keeps what autograd keeps -- no
@@ -234,11 +239,9 @@ class LayerCalls:
                           args: tuple) -> tuple | None:
         """The shape key of a call that may run without a frame (NOTE [ A layer that keeps
         everything ]), else None."""
-        if mb.derive or layer.index == self._last_active \
-                or mb.profile is not None or mb.norms_all or mb.pass_job is not None \
-                or mb.split is not None or any(a != "H" for a in plan.actions) \
+        if mb.derive or mb.pass_job is not None or self._frame_wanted(layer, mb) \
+                or any(a != "H" for a in plan.actions) \
                 or any(rows is not None for rows in plan.rows) \
-                or getattr(self.policy, "predicted_zero", False) \
                 or self._weights.partitioned(layer.module):
             return None
         keywords = getattr(function, "keywords", None) or {}
@@ -252,20 +255,23 @@ class LayerCalls:
 
     def _run_whole(self, layer: LayerUnits, mb: Microbatch, function, args: tuple, key: tuple):
         mb.whole[layer.index] = key
-        mb.last_layer = layer.index
-        out = function(*args)
-        hidden = _hidden_of(out)
-        if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, _NO_FRAME, False))
-        return out
+        return self._without_frame(layer, mb, function(*args), functools.partial(
+            self._elision.on_layer_grad, mb, _NO_FRAME, False))
 
     def _run_checkpointed(self, layer: LayerUnits, mb: Microbatch, function, args: tuple):
         mb.checkpointed.add(layer.index)
-        mb.last_layer = layer.index
         out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+        return self._without_frame(layer, mb, out, functools.partial(
+            self._checkpointed_grad, mb, len(layer.units)))
+
+    @staticmethod
+    def _without_frame(layer: LayerUnits, mb: Microbatch, out, on_grad):
+        """A layer run without its frame: the microbatch's last layer so far, ``on_grad`` on
+        the gradient at its output (the elision's hook, as a frame's layer has)."""
+        mb.last_layer = layer.index
         hidden = _hidden_of(out)
         if hidden is not None and hidden.requires_grad:
-            hidden.register_hook(functools.partial(self._checkpointed_grad, mb, len(layer.units)))
+            hidden.register_hook(on_grad)
         return out
 
     def _checkpointed_grad(self, mb: Microbatch, units: int, grad: torch.Tensor | None) -> None:
