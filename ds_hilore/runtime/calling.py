@@ -24,6 +24,7 @@ from ds_hilore.runtime.zero_backward import gate
 logger = logging.getLogger("ds_hilore")
 
 _MAX_MICROBATCHES_KEPT = 64
+_SKIP_MEMORY = 32  # microbatches after a skipped backward whose all-R layers keep their frames
 
 
 class LayerCalls:
@@ -109,6 +110,7 @@ class LayerCalls:
                 gated = gate(hidden, mb, self._trainable)
                 out = _replaced(out, hidden, gated)
                 hidden, mb.gated = gated, True
+                mb.predicted_zero = getattr(self.policy, "predicted_zero", False)
             hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, weakref.ref(frame), last))
             if last:
                 mb.last_hidden_fn = id(hidden.grad_fn)
@@ -194,12 +196,22 @@ class LayerCalls:
     # (NOTE [ Kept rows only ] in rows.py: a layer not yet known row-safe learns it from its
     # frame). The same on every rank: the plan and the prediction's verdict are. A microbatch
     # found zero only after its forward, under ZeRO-3 (no gate), recomputes such a layer
-    # where a frame would have read stand-ins. Nor where the gate may skip the layers' backward
-    # (NOTE [ A backward of zeros ] in zero_backward.py): a checkpointed layer below a gate
-    # that hands it no gradient still recomputes when autograd reaches its nodes (their
-    # saved tensors are unpacked before the gradients are looked at), where a frame skips it.
+    # where a frame would have read stand-ins.
+    # Where the gate may skip the layers' backward (NOTE [ A backward of zeros ] in
+    # zero_backward.py), a checkpointed layer below a gate that hands it no gradient still
+    # recomputes when autograd reaches its nodes (their saved tensors are unpacked before the
+    # gradients are looked at), where a frame skips it; the gradients are the same (the gate
+    # hands the zeros to the parameters either way). So the layer is checkpointed there only
+    # while skips are rare: none in the last ``_SKIP_MEMORY`` microbatches (groups shuffled
+    # across microbatches, no prediction: a microbatch all zero comes about 1 in 256 with 8
+    # sequences and half the groups zero). Once a skip is seen, such layers keep their frames
+    # for that many microbatches (a microbatch per group: skips are common); a skip that was
+    # predicted does not count (its microbatch ran through frames). Each rank decides
+    # for itself: the graph, and so the order in which gradients reach ZeRO 1-2's reductions,
+    # is the same either way.
     def _checkpointed(self, layer: LayerUnits, plan, mb: Microbatch) -> bool:
-        return not self.zero_backward_skip and not self._frame_wanted(layer, mb) \
+        skips_rare = mb.index - self._skipped_at > _SKIP_MEMORY
+        return (not self.zero_backward_skip or skips_rare) and not self._frame_wanted(layer, mb) \
             and layer.row_safe is not None and all(a == "R" for a in plan.actions)
 
     def _frame_wanted(self, layer: LayerUnits, mb: Microbatch) -> bool:

@@ -103,6 +103,9 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         self._steps_closed = 0  # the number of the last step end_step closed (stats["step"])
         self._step_first = 0  # index of the step in progress's first microbatch
         self._trainable: list | None = None  # the gate's parameters, listed once per step
+        # the last microbatch whose layers' backward was skipped (NOTE [ A layer that keeps
+        # nothing ] in calling.py)
+        self._skipped_at = -(1 << 62)
         self._live_mbs: "weakref.WeakSet[Microbatch]" = weakref.WeakSet()
         self._elision = Elision(self)
         self._warned_elision = False

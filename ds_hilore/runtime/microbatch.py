@@ -50,6 +50,7 @@ class Microbatch:
         self.late_due = False
         self.skip_layers_backward = False  # NOTE [ A backward of zeros ] in zero_backward.py
         self.gated = False  # the last layer's output went through ``gate`` at the forward
+        self.predicted_zero = False  # planned as every rank's predicted zero (scheduler.py)
         self.stopped_short = False  # its forward ended below the last HiLoRe layer (elision.py)
         # several sequences per row (NOTE [ Packed sequences ] in packed.py)
         self.packed: bool | None = None

@@ -72,6 +72,8 @@ class TopGate(torch.autograd.Function):
             Elision._fall_back(mb.live_frames())  # no stand-in read, no recompute skipped
             return (grad, None, *none)
         mb.summary["backward_skipped"] = True
+        if not mb.predicted_zero:  # NOTE [ A layer that keeps nothing ] in calling.py
+            mb.runtime._skipped_at = mb.index
         reached = {id(fn.variable) for fn in below}
         zeros = tuple(torch.zeros_like(p) if id(p) in reached else None for p in params)
         return (None, None, *zeros)
