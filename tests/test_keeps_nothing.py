@@ -1,8 +1,8 @@
 """A layer whose every unit is R runs under ``torch.utils.checkpoint`` instead of its frame
 (NOTE [ A layer that keeps nothing ] in ds_hilore/runtime/calling.py), also where the gate
-may skip a backward of zeros, while skips are rare: asserted on the pack hooks its frame would
-have run, on gradients bitwise equal to the model without HiLoRe, and on the recompute a
-skipped backward runs or does not."""
+may skip a backward of zeros, while skips are rare and sequences are not elided one by one:
+asserted on the pack hooks its frame would have run, on gradients bitwise equal to the model
+without HiLoRe, and on the recompute a skipped backward runs or does not."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ds_hilore.runtime import bundle, calling
 B, T, PROMPT, LAYERS = 4, 24, 6, 3
 SPREAD = torch.tensor([1.0, -1.0, 0.5, -0.5])
 ZERO = torch.zeros(B)
-ALL_R = {"force_plan": "R", "low_precision": "none"}
+ALL_R = {"force_plan": "R", "low_precision": "none", "elide_zero_rows": "whole"}
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
@@ -70,11 +70,14 @@ def _bitwise(ref: dict, got: dict) -> bool:
     return ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_all_r_layers_are_checkpointed_under_the_gate_bitwise(lora, monkeypatch):
+@pytest.mark.parametrize("lora, elide", [(False, "whole"), (True, "whole"), (False, False),
+                                         (False, True)], ids=["full", "lora", "no-elision",
+                                                              "rows-elided"])
+def test_all_r_layers_are_checkpointed_under_the_gate_bitwise(lora, elide, monkeypatch):
     """Under the gate (one process: a backward of zeros may be skipped), the layers below the
     last run checkpointed, not through their frames, with the gradients of the model without
-    HiLoRe, bitwise."""
+    HiLoRe, bitwise -- except where sequences are elided one by one (their frames leave the
+    zero ones out of the re-run)."""
     model = tiny_model("qwen2", layers=LAYERS, hidden=64, intermediate=128, dropout=False)
     if lora:
         model = with_lora(model)
@@ -82,7 +85,7 @@ def test_all_r_layers_are_checkpointed_under_the_gate_bitwise(lora, monkeypatch)
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
     ref = copy.deepcopy(model)
-    runtime = ds_hilore.attach(model, dict(ALL_R))
+    runtime = ds_hilore.attach(model, dict(ALL_R, elide_zero_rows=elide))
     packs = _frames_by_layer(monkeypatch)
     try:
         assert runtime.zero_backward_skip
@@ -95,8 +98,9 @@ def test_all_r_layers_are_checkpointed_under_the_gate_bitwise(lora, monkeypatch)
             _step(model, seed, SPREAD)
             _step(ref, seed, SPREAD)
             assert _bitwise(_grads(ref), _grads(model)), seed
-            assert runtime._mb.checkpointed == set(range(LAYERS - 1)), runtime._mb.checkpointed
-            assert sorted(packs) == [LAYERS - 1], packs  # only the last layer's frame
+            below = [] if elide is True else list(range(LAYERS - 1))
+            assert sorted(runtime._mb.checkpointed) == below, runtime._mb.checkpointed
+            assert sorted(packs) == [i for i in range(LAYERS) if i not in below], packs
             runtime.end_step()
             assert runtime.stats["actions"]["R"] == 2 * LAYERS
     finally:

@@ -86,7 +86,7 @@ class LayerCalls:
         plan = self._capture_plan(layer)
         if mb.rows_refused:  # planned for kept rows, run whole: nothing kept (NOTE [ Kept rows only ])
             plan = CapturePlan(["R"] * len(layer.units))
-        if self._checkpointed(layer, plan, mb):
+        if self._checkpointed(layer, plan, mb, function, args):
             return self._run_checkpointed(layer, mb, function, args)
         whole = self._keeps_everything(layer, plan, mb, function, args)
         if whole is not None and whole in layer.whole_bytes and layer.row_safe is not None:
@@ -202,17 +202,23 @@ class LayerCalls:
     # recomputes when autograd reaches its nodes (their saved tensors are unpacked before the
     # gradients are looked at), where a frame skips it; the gradients are the same (the gate
     # hands the zeros to the parameters either way). So the layer is checkpointed there only
-    # while skips are rare: none in the last ``_SKIP_MEMORY`` microbatches (groups shuffled
-    # across microbatches, no prediction: a microbatch all zero comes about 1 in 256 with 8
-    # sequences and half the groups zero). Once a skip is seen, such layers keep their frames
-    # for that many microbatches (a microbatch per group: skips are common); a skip that was
-    # predicted does not count (its microbatch ran through frames). Each rank decides
-    # for itself: the graph, and so the order in which gradients reach ZeRO 1-2's reductions,
-    # is the same either way.
-    def _checkpointed(self, layer: LayerUnits, plan, mb: Microbatch) -> bool:
-        skips_rare = mb.index - self._skipped_at > _SKIP_MEMORY
-        return (not self.zero_backward_skip or skips_rare) and not self._frame_wanted(layer, mb) \
-            and layer.row_safe is not None and all(a == "R" for a in plan.actions)
+    # where sequences are not elided one by one (``elide_zero_rows`` false or ``"whole"``, as
+    # on accelerators by default: a frame leaves an elided sequence out of its re-run, which a
+    # checkpoint would re-run), and while skips are rare: none in the last ``_SKIP_MEMORY``
+    # microbatches (groups shuffled across microbatches, no prediction: a microbatch all zero
+    # comes about 1 in 256 with 8 sequences and half the groups zero). Once a skip is seen,
+    # such layers keep their frames for that many microbatches (a microbatch per group: skips
+    # are common); a skip that was predicted does not count (its microbatch ran through
+    # frames). Each rank decides for itself: the graph, and so the order in which gradients
+    # reach ZeRO 1-2's reductions, is the same either way.
+    def _checkpointed(self, layer: LayerUnits, plan, mb: Microbatch, function, args) -> bool:
+        if self._frame_wanted(layer, mb) or layer.row_safe is None \
+                or any(a != "R" for a in plan.actions):
+            return False
+        if not self.zero_backward_skip:
+            return True
+        device = hidden_input(args, getattr(function, "keywords", None) or {}).device
+        return mb.index - self._skipped_at > _SKIP_MEMORY and self.elision_mode(device) is not True
 
     def _frame_wanted(self, layer: LayerUnits, mb: Microbatch) -> bool:
         """Whether ``layer`` runs through its frame for more than what it keeps, whatever its
