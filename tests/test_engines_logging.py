@@ -260,6 +260,32 @@ def test_coefficients_reach_the_runtime_their_log_probs_came_from():
         runtime.detach()
 
 
+def test_coefficients_of_a_model_without_hilore_go_nowhere_without_a_walk(monkeypatch):
+    """A GRPO loss naming a model that has no runtime (a baseline beside a HiLoRe model, as in
+    the bench) hands its ω to no runtime and walks no graph to look for one: the walk is what a
+    loss naming no model needs."""
+    from ds_hilore.runtime import registry
+
+    plain = tiny_model("qwen2", layers=2, hidden=32, dropout=False)
+    hilore = tiny_model("qwen2", layers=2, hidden=32, dropout=False, seed=1)
+    runtime = ds_hilore.attach(hilore, {"force_plan": "H"})
+    walks = []
+    walk = registry.first_reached
+    monkeypatch.setattr(registry, "first_reached", lambda *a: walks.append(1) or walk(*a))
+    try:
+        ids = _ids(0)
+        kept = hilore(input_ids=ids, use_cache=False).logits  # a HiLoRe forward alive
+        logits = plain(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
+        loss = ds_hilore.grpo.policy_loss(logp, logp.detach(), torch.tensor(
+            [1.0, -1.0, 0.0, 0.5]), torch.ones_like(logp), model=plain).loss
+        assert walks == []
+        (loss + kept.sum()).backward()
+        assert runtime.stats["microbatches"][-1]["exposure_source"] != "analytic"
+    finally:
+        runtime.detach()
+
+
 def test_coefficients_that_name_no_forward_are_warned_about_once(caplog):
     """Two forwards alive and no ``logp=``: said once, not at every step (nothing is elided)."""
     model = tiny_model("qwen2", layers=2, hidden=32, dropout=False)

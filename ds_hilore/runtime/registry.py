@@ -65,10 +65,11 @@ def _runtime_of(logp: torch.Tensor):
 
 def _receive_coefficients(coefficients: torch.Tensor, logp: torch.Tensor, model: nn.Module | None) -> None:
     """ω published by a ``ds_hilore.grpo`` loss goes to the runtime of the model it came from:
-    ``model``'s, else the only one attached, else the one whose live forward ``logp`` was
+    ``model``'s (none where ``model`` has no runtime: a model trained without HiLoRe beside
+    one with it), else the only one attached, else the one whose live forward ``logp`` was
     computed from (an actor and a critic both attached, no ``model=`` given)."""
     runtime = find_runtime(model)
-    if runtime is None:  # no model named, or one that names none alone: where logp came from
+    if runtime is None and (model is None or sharing(model)):  # where logp came from
         runtime = _runtime_of(logp)
     if runtime is not None and runtime.enabled:
         runtime.set_coefficients(coefficients, logp=logp)
