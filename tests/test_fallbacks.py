@@ -90,21 +90,33 @@ def test_a_disproved_weight_cast_is_recomputed_not_read(plan):
 
 class OtherRank:
     """``runtime.collective`` of a 2-rank run with the other rank simulated: it agrees with
-    this rank on every collective, except that its checks failed in the units ``flagged``
-    (the all-reduce made by ``Microbatch.settle``). Only the collective is a stand-in."""
+    this rank on every collective, except that its checks failed in the units ``flagged``, in
+    the all-reduce that carries the unit flags of failed checks: the elision's at the
+    coefficients (``agree``: [a sequence kept, all zero, capture flags if all zero, if not,
+    the failed checks, ...], one flag per unit in each) or ``Microbatch.settle``'s (the unit
+    flags, then the leak flag; ``units`` None: only there). Only the collective is a
+    stand-in."""
 
-    def __init__(self, flagged: set[int]):
-        self.flagged = flagged
-        self.settle_calls: list[list[int]] = []
+    def __init__(self, flagged: set[int], units: int | None = None):
+        self.flagged, self.units = flagged, units
+        self.calls: list[tuple[str, list]] = []
+
+    @property
+    def settle_calls(self) -> list[list[int]]:
+        return [values for where, values in self.calls if where == "settle"]
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
         if sys._getframe(1).f_code.co_name != "settle":
             return list(values)
-        self.settle_calls.append(list(values))
+        self.calls.append(("settle", list(values)))
         return [max(v, int(i in self.flagged)) for i, v in enumerate(values)]
 
     def all_reduce_max_float(self, values: list[float]) -> list[float]:
-        return list(values)
+        if sys._getframe(1).f_code.co_name != "agree" or self.units is None:
+            return list(values)
+        failed = 2 + 2 * self.units  # where agree's failed-check flags begin
+        self.calls.append(("agree", list(values[failed:failed + self.units])))
+        return [max(v, float(i - failed in self.flagged)) for i, v in enumerate(values)]
 
 
 def test_a_unit_flagged_by_another_rank_is_recomputed_here_too():
@@ -114,9 +126,12 @@ def test_a_unit_flagged_by_another_rank_is_recomputed_here_too():
     runtime = ds_hilore.attach(model, {"low_precision": "none", "force_plan": "H"})
     loss_and_grads(model, inputs)  # discovery
     flagged = runtime.units[1]  # layer 0's mlp: nothing failed here
-    runtime.collective = OtherRank({flagged.index})
+    runtime.collective = OtherRank({flagged.index}, len(runtime.units))
     loss, grads = loss_and_grads(model, inputs)
-    assert runtime.collective.settle_calls == [[0, 0, 0, 0, 0]]  # once per microbatch: 4 units, no leak
+    # once per microbatch, at the coefficients (here the gradient at the last hidden state):
+    # 4 units, none failed here; no sequence is zero on any rank, so no check at the top of
+    # the backward and no second all-reduce there
+    assert runtime.collective.calls == [("agree", [0, 0, 0, 0])]
     assert torch.equal(loss, ref_loss)
     assert [n for n in ref if not torch.equal(ref[n], grads[n])] == []
     last = runtime.stats["microbatches"][-1]

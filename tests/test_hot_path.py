@@ -88,9 +88,11 @@ PLANNED = {"force_plan": {"*.attn": "L", "*.mlp": "H"}, "codec_backend": "eager"
            "plan_validation_microbatches": 0}
 
 
-def _reads_per_microbatch(layers: int, monkeypatch, collective=None) -> tuple[list[str], list[str]]:
+def _reads_per_microbatch(layers: int, monkeypatch, collective=None,
+                          zero: bool = True) -> tuple[list[str], list[str]]:
     """(reads, collective calls) of one planned microbatch (its bucket profiled first), after
-    another planned one whose backward left late flags (two of the four sequences are elided)."""
+    another planned one whose backward left late flags (two of the four sequences are elided;
+    ``zero`` false: none is zero, nothing elided)."""
     model = with_lora(tiny_model("llama", layers=layers, hidden=64, intermediate=128))
     runtime = ds_hilore.attach(model, PLANNED)
     runtime.collective = collective
@@ -101,7 +103,7 @@ def _reads_per_microbatch(layers: int, monkeypatch, collective=None) -> tuple[li
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(**inputs).logits.float()  # (B, T, V)
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        adv = torch.tensor([1.0, 0.0, -0.5, 0.0])  # two sequences elided
+        adv = torch.tensor([1.0, 0.0, -0.5, 0.0] if zero else [1.0, 0.5, -0.5, -1.0])
         mask = torch.ones_like(logp, dtype=torch.bool)
         policy_loss(logp, logp.detach(), adv, mask, loss_type="grpo", model=model).loss.backward()
 
@@ -121,7 +123,7 @@ def _reads_per_microbatch(layers: int, monkeypatch, collective=None) -> tuple[li
     monkeypatch.undo()
     calls = list(collective.calls) if collective is not None else []
     last = runtime.stats["microbatches"][-1]
-    assert last["actions"]["L"] == layers and last["exact_zero_sequences"] == 2
+    assert last["actions"]["L"] == layers and last["exact_zero_sequences"] == 2 * zero
     assert runtime.policy.buckets[(4, 16)].plan is not None  # a planned microbatch
     assert runtime.policy.step_stats["grad_error_est"]  # its risk was fitted from exposure
     runtime.end_step()  # reads the late flags the last backward left (none set)
@@ -145,6 +147,14 @@ def test_the_coefficients_and_the_top_of_the_backward_are_one_all_reduce_each(mo
     # sequences
     assert calls == ["_bucket_key", "agree", "settle"], calls
     assert len(reads) <= 2, reads
+
+
+def test_without_a_zero_sequence_on_any_rank_the_top_of_the_backward_is_no_sync(monkeypatch):
+    """No rank elides a sequence (the elision's all-reduce says so): nothing is checked at the
+    top of the backward, so neither its read nor its all-reduce is made there."""
+    reads, calls = _reads_per_microbatch(2, monkeypatch, CountedCollective(), zero=False)
+    assert calls == ["_bucket_key", "agree"], calls
+    assert len(reads) <= 1, reads
 
 
 def test_one_read_returns_every_part_exactly(monkeypatch):

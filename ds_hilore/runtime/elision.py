@@ -145,7 +145,7 @@ class Elision:
             zero = []  # this rank keeps sequences, or another's forbid a skip: nothing elided
         mb.fall_back(checks, failed)
         for frame in frames:
-            self._elide(frame, to_r, skip, skip_any, source, zero, segments, keep)
+            self._elide(frame, to_r, skip, skip_any, flags.due, source, zero, segments, keep)
         mb.exposure.update({name: unit_exposure[name] for name in exposed})
         if policy is not None and not again:  # the allocator spends the risk budget
             policy.after_coefficients(mb, risks)
@@ -179,15 +179,18 @@ class Elision:
                            "computed only for a metric hands none under torch.no_grad().")
 
     @staticmethod
-    def _elide(frame, to_r: set[str], skip: bool, skip_any: bool, source: str, zero: list[int],
-               segments, keep: bool) -> None:
+    def _elide(frame, to_r: set[str], skip: bool, skip_any: bool, due: bool, source: str,
+               zero: list[int], segments, keep: bool) -> None:
         """One frame after the ranks agreed: its disproved units to R, its zero sequences E.
-        ``skip``: every sequence zero here (``_skip_here``); ``skip_any``: so on some rank."""
+        ``skip``: every sequence zero here (``_skip_here``); ``skip_any``: so on some rank;
+        ``due``: some rank elides a sequence (``Flags.due``)."""
         frame.skip_zero_recompute = skip
-        # the same on every rank (plans are synced): whether the backward checks, and so
-        # whether it takes part in the collective decision there
+        # the same on every rank (plans are synced, the flags agreed): whether the backward
+        # checks, and so whether it takes part in the collective decision there -- not where
+        # no rank elides anything (no zero sequence anywhere, or elision off): no check at the
+        # top of the backward then, nor its read and all-reduce
         frame.elision_checked = frame.elision_ok and (
-            skip_any or any(a != "R" for a in frame.plan.actions))
+            skip_any or due and any(a != "R" for a in frame.plan.actions))
         recompute_named(frame, to_r)
         if frame.segments != segments:  # a call without the microbatch's segments
             frame.elision_checked = frame.elision_checked and skip_any and frame.sequences == 1
