@@ -503,10 +503,12 @@ def _recorded_pair(run_a, run_b) -> tuple[_PairedCollective, _PairedCollective]:
     """What each of two ranks sends, recorded beside what the other sent: what a rank sends can
     depend on what came back (e.g. whether a plan's check is repeated), so each is run again
     beside the other's latest recording until the calls agree (a fixed point, as two ranks
-    running together reach at once)."""
+    running together reach at once). Each round settles the calls up to the next one whose
+    presence depends on an agreed value (the top of the backward's all-reduce is made only
+    where some rank elides a sequence), so a few rounds may be needed."""
     a = _PairedCollective()
     run_a(a)  # alone first
-    for _ in range(4):
+    for _ in range(8):
         b = _PairedCollective(a, strict=False)
         run_b(b)
         again = _PairedCollective(b, strict=False)

@@ -118,7 +118,9 @@ class Microbatch:
     # and each all-reduce stalls the host until the device's queue drains, so the leak check
     # hands its flag to ``settle`` instead: one read of the device and one all-reduce (the unit
     # flags with the leak flag appended, the same length on every rank) for both. Every rank
-    # makes that call at the same point (whether the top check runs is the same on every rank).
+    # makes that call at the same point (whether the top check runs is the same on every rank:
+    # only where the coefficients' all-reduce found a sequence elided on some rank, ``_elide``
+    # in elision.py; with none anywhere there is nothing to check, and no call).
     def settle(self, leak: torch.Tensor | None = None, at_top: bool = False) -> bool:
         """Read the microbatch's checks left at once; a unit whose check failed on any rank is
         recomputed instead (NOTE [ Collective fallback ]). ``leak``: a () bool device flag read

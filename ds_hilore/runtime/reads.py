@@ -15,8 +15,9 @@ all-reduce):
   [ Collective elision ] in agreement.py).
 * the top of the backward (``Microbatch.settle``): the leak check at the last layer's output
   (NOTE [ Checked elision ] in elision.py) with any check deferred since the coefficients; one
-  all-reduce (NOTE [ One sync at the top of the backward ] in microbatch.py). Without elided
-  sequences, on one rank, nothing is read there.
+  all-reduce (NOTE [ One sync at the top of the backward ] in microbatch.py). Where no rank
+  elides a sequence (the coefficients' all-reduce says so: no zero sequence anywhere, or
+  elision off), nothing is read or all-reduced there.
 
 The per-layer flags of the elision check are known only when the backward ends; reading them
 there would be a third read. They stay on the device, folded into one flag, and are read with
