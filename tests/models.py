@@ -6,6 +6,7 @@ import inspect
 
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 VOCAB = 128
 
@@ -212,3 +213,17 @@ def one_torch_thread():
 def planner_model():
     """The small Qwen2 the allocator's and exposure's tests plan on."""
     return tiny_model("qwen2", layers=2, hidden=64, intermediate=128, dropout=False)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops run under it whose name starts with one of ``prefixes``
+    (e.g. "aten.mm.")."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func).startswith(self.prefixes)
+        return func(*args, **(kwargs or {}))

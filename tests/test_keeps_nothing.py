@@ -10,8 +10,7 @@ import copy
 
 import pytest
 import torch
-from models import VOCAB, one_torch_thread, tiny_model, with_lora
-from torch.utils._python_dispatch import TorchDispatchMode
+from models import VOCAB, CountOps, one_torch_thread, tiny_model, with_lora
 
 import ds_hilore
 from ds_hilore.grpo import policy_loss
@@ -23,18 +22,6 @@ ZERO = torch.zeros(B)
 ALL_R = {"force_plan": "R", "low_precision": "none", "elide_zero_rows": "whole"}
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
-
-
-class _Count(TorchDispatchMode):
-    """Matrix products run, forward and backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.matmuls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.matmuls += str(func).startswith(("aten.mm.", "aten.addmm.", "aten.bmm."))
-        return func(*args, **(kwargs or {}))
 
 
 def _frames_by_layer(monkeypatch) -> dict:
@@ -57,9 +44,9 @@ def _step(model, seed: int, advantages: torch.Tensor) -> int:
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
     logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     loss = policy_loss(logp, logp.detach(), advantages, mask, model=model).loss
-    with _Count() as count:
+    with CountOps(("aten.mm.", "aten.addmm.", "aten.bmm.")) as count:
         loss.backward()
-    return count.matmuls
+    return count.count
 
 
 def _grads(model) -> dict:

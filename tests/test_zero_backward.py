@@ -10,8 +10,7 @@ import sys
 
 import pytest
 import torch
-from models import VOCAB, equal_utilities, one_torch_thread, planner_model, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
+from models import VOCAB, CountOps, equal_utilities, one_torch_thread, planner_model, tiny_model
 
 import ds_hilore
 from ds_hilore.config import HiLoReConfig
@@ -25,16 +24,6 @@ PART = torch.tensor([1.0, 0.0, -0.5, 0.0])  # two sequences with zero coefficien
 MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._scaled_dot_product")
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
-
-
-class _CountMatmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += str(func).startswith(MATMULS)
-        return func(*args, **(kwargs or {}))
 
 
 def _microbatch(model, seed: int, advantages: torch.Tensor, entropy: float = 0.0,
@@ -51,7 +40,7 @@ def _microbatch(model, seed: int, advantages: torch.Tensor, entropy: float = 0.0
         loss = loss - entropy * -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
     if before_backward is not None:
         before_backward()
-    counter = _CountMatmuls()
+    counter = CountOps(MATMULS)
     with counter:
         loss.backward()
     return counter.count
