@@ -74,7 +74,8 @@ def _peaks(p: dict) -> tuple[str, str]:
     gc = " / ".join(f"{b / MiB:.0f}" for b in p["gc_bytes"])
     hl = " / ".join(f"{b / MiB:.0f}" for b in p["hilore_bytes"])
     ratios = " / ".join(f"{r:.3f}x" for r in p["ratio"])
-    return gc, f"{hl} ({ratios} GC's; budget {fmt(p['memory_budget'], '.2f')}x)"
+    return gc, (f"{hl} ({ratios} GC's; largest {p['largest_ratio']:.3f}x, budget "
+                f"{fmt(p['memory_budget'], '.2f')}x)")
 
 
 def _reward(q: dict, arm: str) -> str:
