@@ -316,7 +316,7 @@ class Scheduler:
         self.warm_up("planning")
         if profiled:
             # NOTE [ Memory that appears after profiling ] in plan/metering.py
-            bucket.profile = self._agree(bucket.profiler.result(*self.metering.grown(), self._timed()))
+            bucket.profile = self._agree(bucket.profiler.result(self.metering.grown(), self._timed()))
             self.metering.planned(bucket)
         profile = bucket.profile
         device = self._device()
