@@ -4,6 +4,7 @@ plan/metering.py): with an absolute budget, what the plan keeps stays within wha
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 
@@ -26,17 +27,13 @@ def _microbatch(model, seed: int) -> None:
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
 
 
-_WARMED: list[bool] = []
-
-
+@functools.cache
 def _warm_process() -> None:
     """The same run once, unmeasured, in this process: the first profiled microbatch of a
     shape leaves memory behind that stays (the CPU kernel libraries' caches and buffers, made at
     their first use: up to 37 MiB in a fresh process), which the plan's check reads as growth
     after profiling (NOTE [ Growth that is not the plan's ] in plan/checks.py) and, under an
     absolute budget, charges to the bucket: measured, it would be taken for the state's."""
-    if _WARMED:
-        return
     torch.manual_seed(0)
     model = tiny_model("qwen2", layers=2, hidden=128, heads=4, intermediate=512, dropout=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -49,7 +46,6 @@ def _warm_process() -> None:
     runtime.end_step()
     _microbatch(model, 3)
     runtime.detach()
-    _WARMED.append(True)
 
 
 def _profiled_then_stepped(state_share: float, caplog):
