@@ -10,10 +10,12 @@ import copy
 
 import pytest
 import torch
-from models import VOCAB, batch, loss_and_grads, one_torch_thread, planner_model, tiny_model, with_lora
+from models import (VOCAB, batch, equal_utilities, loss_and_grads, one_torch_thread, planner_model,
+                    tiny_model, with_lora)
 
 import ds_hilore
 from ds_hilore.grpo import policy_loss
+from ds_hilore.plan.validate import LeaveOneOut
 from ds_hilore.runtime import bundle
 from ds_hilore.runtime.memory import LiveStorages
 
@@ -179,11 +181,15 @@ def test_below_a_gate_that_skips_the_backward_it_computes_nothing_and_stays_exac
         runtime.detach()
 
 
-def test_a_bucket_planned_to_store_everything_runs_its_layers_without_frames():
+def test_a_bucket_planned_to_store_everything_runs_its_layers_without_frames(monkeypatch):
     """The allocator's plan for a budget that every unit fits stores every unit whole: nothing
     is re-derived and zero sequences stay in whole storages (``Scheduler.keeps_whole``), so
     after its warm-up the layers below the last run without frames, a zero sequence in the
-    microbatch or not."""
+    microbatch or not. The measured times are fixed (H pays for every unit, every layer pays
+    and GC is slower under leave-one-out): the plan is all H on any machine."""
+    equal_utilities(monkeypatch)
+    monkeypatch.setattr(LeaveOneOut, "gc_not_slower", lambda self: False)
+    monkeypatch.setattr(LeaveOneOut, "dropped", lambda self: set())
     model = planner_model()
     runtime = ds_hilore.attach(model, {"memory_budget": 10.0, "low_precision": "none"})
     advantages = torch.tensor([1.0, -1.0, 0.5, 0.0])
