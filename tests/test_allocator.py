@@ -918,6 +918,7 @@ def test_leave_one_out_runs_each_variant_then_recomputes_what_does_not_pay(monke
 
 
 def test_refresh_interval_reuses_the_last_risk_decision(monkeypatch):
+    equal_utilities(monkeypatch)  # a plan that keeps something: not run as GC, coefficients read
     model = _model()
     runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6, calibration_microbatches=0,
                                            refresh_interval=3))
@@ -991,10 +992,12 @@ def test_rel_error_of_an_overflowed_pass_is_no_measurement_and_never_zero():
     assert measured([torch.zeros(2)], [torch.zeros(2)]) == 0.0
 
 
-def _profiled_runtime(calibration_microbatches: int, validation_interval: int):
+def _profiled_runtime(monkeypatch, calibration_microbatches: int, validation_interval: int):
     """A model attached at budget 1.6 whose profiled steps are done: the next microbatch is the
     first planned one (calibrated when `calibration_microbatches`, validated when the interval
-    says so)."""
+    says so). H pays for every unit whatever the load: the plan keeps something, so the bucket
+    does not run as GC (which runs no matched pass)."""
+    equal_utilities(monkeypatch)
     model = _model()
     runtime = ds_hilore.attach(model, dict(BASE, memory_budget=1.6,
                                            calibration_microbatches=calibration_microbatches,
@@ -1006,8 +1009,8 @@ def _profiled_runtime(calibration_microbatches: int, validation_interval: int):
     return model, runtime
 
 
-def test_an_overflowed_calibration_pass_is_dropped_counted_and_retried():
-    model, runtime = _profiled_runtime(calibration_microbatches=1, validation_interval=0)
+def test_an_overflowed_calibration_pass_is_dropped_counted_and_retried(monkeypatch):
+    model, runtime = _profiled_runtime(monkeypatch, calibration_microbatches=1, validation_interval=0)
     try:
         _overflowed_microbatch(model, PROFILED)  # the first planned microbatch: calibrated
         runtime.end_step()  # replans after the pass: must not raise
@@ -1025,11 +1028,11 @@ def test_an_overflowed_calibration_pass_is_dropped_counted_and_retried():
         runtime.detach()
 
 
-def test_a_calibration_microbatch_with_nothing_exposed_records_no_susceptibility():
+def test_a_calibration_microbatch_with_nothing_exposed_records_no_susceptibility(monkeypatch):
     """NOTE [ A calibration with nothing exposed ]: every group of zero advantage makes the exact
     gradient 0 and the pass 0 / 0; before, a susceptibility of 0 was stored for the group (its
     units then packed at no risk). No sample, not counted; the next microbatch calibrates."""
-    model, runtime = _profiled_runtime(calibration_microbatches=1, validation_interval=0)
+    model, runtime = _profiled_runtime(monkeypatch, calibration_microbatches=1, validation_interval=0)
     try:
         _grpo_microbatch(model, PROFILED, rewards=torch.ones(B))  # the first planned: calibrated
         runtime.end_step()
@@ -1045,8 +1048,8 @@ def test_a_calibration_microbatch_with_nothing_exposed_records_no_susceptibility
         runtime.detach()
 
 
-def test_an_overflowed_validation_pass_never_passes_and_is_retried():
-    model, runtime = _profiled_runtime(calibration_microbatches=0, validation_interval=2)
+def test_an_overflowed_validation_pass_never_passes_and_is_retried(monkeypatch):
+    model, runtime = _profiled_runtime(monkeypatch, calibration_microbatches=0, validation_interval=2)
     try:  # steps 0, 1 were profiled
         _overflowed_microbatch(model, PROFILED)  # step 2: validated, overflowed
         runtime.end_step()

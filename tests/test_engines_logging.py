@@ -143,8 +143,11 @@ def test_with_checkpointing_replaces_the_scripts_checkpointing():
 
 
 # ---- what is said -----------------------------------------------------------------------------
-def test_a_shapes_plan_is_said_once_at_info_and_replans_at_debug(caplog):
-    """Validation every step replans every step (OpenRLHF sets INFO: one line per step before)."""
+def test_a_shapes_plan_is_said_once_at_info_and_replans_at_debug(caplog, monkeypatch):
+    """Validation every step replans every step (OpenRLHF sets INFO: one line per step before).
+    H pays for every unit whatever the load: the plan keeps something, so the bucket does not
+    run as GC and validation runs."""
+    equal_utilities(monkeypatch)
     model = tiny_model("qwen2", layers=2, hidden=32, dropout=False)
     runtime = ds_hilore.attach(model, {**PLANNING, "validation_interval": 1})
     with caplog.at_level(logging.DEBUG, logger="ds_hilore"):
