@@ -186,7 +186,7 @@ def run_tight():
                                            validation_interval=VALIDATION_INTERVAL))
     record = {"profiling_actions": [], "plans": [], "executed": [], "stats_actions": [],
               "peaks": [], "budgets": [], "errors": [], "estimates": [], "lengths": [],
-              "held": [], "measured": [], "layer_errors": [], "gc_peaks": gc_peaks,
+              "held": [], "measured": [], "layer_errors": [], "gc_peaks": gc_peaks, "exact": [],
               "memory_budget": budget}
     ran_with = {}
 
@@ -194,6 +194,8 @@ def run_tight():
         bucket = runtime.policy.buckets.get(TIGHT_BUCKET)
         if not runtime.policy.passes.running and bucket is not None:
             ran_with["plan"] = dict(bucket.plan.actions) if bucket.plan is not None else None
+            passes = runtime.policy.passes  # NOTE [ The exact gradient from training ]
+            ran_with["exact"] = passes.fresh and passes.job is not None and passes.job.capture
 
     hook = model.register_forward_pre_hook(plan_of_this_forward)
     try:
@@ -209,6 +211,7 @@ def run_tight():
                     record["profiling_actions"].append(stats["actions"])
                     continue
                 record["plans"].append(ran_with["plan"])  # end_step may have replanned since
+                record["exact"].append(ran_with["exact"])
                 record["executed"].append({u.name: u.action for u in runtime.units})
                 record["stats_actions"].append(stats["actions"])
                 record["peaks"].append(peak)
@@ -252,10 +255,13 @@ def test_tight_budget_profiles_as_gc_then_keeps_only_units_that_pay(run_tight):
 def test_tight_budget_every_microbatch_runs_its_plan(run_tight):
     _, _, runtime, record = run_tight
     costs = {c.name: c for c in runtime.policy.buckets[TIGHT_BUCKET].profile.units}
-    for k, (plan, executed, mix) in enumerate(zip(record["plans"], record["executed"],
-                                                   record["stats_actions"])):
+    for k, (plan, executed, mix, exact) in enumerate(zip(record["plans"], record["executed"],
+                                                          record["stats_actions"], record["exact"])):
         assert sum(mix.values()) == len(executed), k
-        assert mix["H"] + mix["L"] + mix["E"] >= 1, (k, mix)  # something is kept
+        if exact:  # a calibration's exact gradient taken from training: its packed units ran R
+            assert mix["L"] == 0 and all(executed[n] == "R" for n in plan if plan[n] == "L"), k
+        else:
+            assert mix["H"] + mix["L"] + mix["E"] >= 1, (k, mix)  # something is kept
         assert plan is not None, k
         for name, action in executed.items():
             assert action in RUNS_AS[plan[name]], (k, name, plan[name], action)

@@ -199,6 +199,49 @@ def test_calibration_takes_the_exact_gradient_from_the_training_backward(monkeyp
     assert len([x for v in calibration["susceptibility"].values() for x in v]) == 1
 
 
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_the_exact_gradient_is_captured_where_no_layer_outgrows_its_input(lora, monkeypatch):
+    """NOTE [ When the exact gradient is captured ]: with GC's activations read as nothing (the
+    rule of 1/16 of them alone never captures), LoRA layers -- each layer's gradients under its
+    input, the largest under the packed bytes -- still capture, one pass at the step; full
+    fine-tuning at this length (a layer's gradients several times its input) runs the two-pass
+    form. Either way one calibration sample is measured."""
+    import dataclasses
+
+    model = _lora_model() if lora else tiny_model("qwen2", layers=2, hidden=64, intermediate=128,
+                                                  dropout=True)
+    runtime = _attach(model, calibration_microbatches=1)
+    scheduler, passes = runtime.policy, runtime.policy.passes
+    plan_bucket = scheduler._plan_bucket
+
+    def no_activations(bucket, profiled=True):
+        plan_bucket(bucket, profiled)
+        profile = bucket.profile
+        bucket.profile = dataclasses.replace(profile, gc_peak_bytes=profile.baseline_bytes)
+
+    monkeypatch.setattr(scheduler, "_plan_bucket", no_activations)
+    captured, one_pass = [], []
+    capture, against = passes._capture, passes._against_captured
+    monkeypatch.setattr(passes, "_capture",
+                        lambda job, mb: (captured.append(1), capture(job, mb))[1])
+    monkeypatch.setattr(passes, "_against_captured",
+                        lambda job, actions: (one_pass.append(1), against(job, actions))[1])
+    try:
+        for step in range(3):  # 0, 1 profiled (all R); 2 planned all L and calibrated
+            _step(runtime, model, step)
+        stats = runtime.stats
+        groups = passes._layer_params()
+    finally:
+        runtime.detach()
+    layer_bytes = max(sum(p.numel() * p.element_size() for p in g) for g in groups)
+    input_bytes = B * T * passes.token_bytes
+    assert passes.token_bytes == 64 * 4
+    assert (layer_bytes <= input_bytes) == lora, (layer_bytes, input_bytes)  # the premise
+    assert (len(captured), len(one_pass)) == ((1, 1) if lora else (0, 0))
+    assert stats["calibration"]["microbatches"] == 1
+    assert len([x for v in stats["calibration"]["susceptibility"].values() for x in v]) == 1
+
+
 def test_a_ranking_check_runs_as_many_passes_on_a_short_rank_as_on_the_others(monkeypatch):
     """NOTE [ Uneven batches ]: a rank whose microbatch has one sequence runs the same passes
     (the same agreed errors, in the same order) as a rank with the bucket's four."""

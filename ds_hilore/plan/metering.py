@@ -68,6 +68,7 @@ class Metering(PlanChecks):
     def __init__(self, scheduler):
         self.s = scheduler
         self.baseline = 0  # in use before the profiled microbatch's forward
+        self.start = 0  # the same, less the parameters' gradients (as ``begin_step`` reads it)
         self.meter: DevicePeak | None = None  # CUDA: the profiled microbatch's window
         self.tracker: PeakTracker | None = None  # CPU: the op-level window open now, if any
         self.check = None  # (bucket, plan, meter) of the microbatch whose plan's peak is checked
@@ -156,6 +157,7 @@ class Metering(PlanChecks):
         """A profiled microbatch's forward begins (on CPU: tracked, NOTE [ Tracked on CPU ])."""
         device = self.s._device()
         self.baseline = in_use_bytes(device)
+        self.start = self.baseline - gradient_bytes(self.s.runtime.model, device)
         bucket = self.s.bucket  # NOTE [ The plan's peak, checked ]: the longest profiled
         if bucket is not None:
             bucket.longest = max(bucket.longest or 0, self.s.longest)
@@ -199,7 +201,8 @@ class Metering(PlanChecks):
                 phases = dict(tracker.phase_peaks)
         bucket = self.s.buckets[mb.plan_key]
         positions = {layer.index: k for k, layer in enumerate(self.s.runtime._layers)}
-        bucket.profiler.add(sample, positions, peak, self.baseline, self.s.steps, phases)
+        bucket.profiler.add(sample, positions, peak, self.baseline, self.s.steps, phases,
+                            start=self.start)
         stats = self.s.step_stats
         stats["peak_bytes"] = max(stats["peak_bytes"] or 0, peak or 0) or None
 
@@ -234,27 +237,28 @@ class Metering(PlanChecks):
     # at each step's first forward are read (``begin_step``, once per step): the same point of
     # every step, the optimizer stepped and the gradients released. A profile's samples are
     # raised by what appeared between their step's start and the start of the step its bucket is
-    # planned in (``grown``, ``Profiler.result``), and a bucket planned in a step is charged once,
-    # at the next step's start, with what appeared since (the first optimizer step, if it came
-    # after, is then behind it): added to its baseline and GC's peak, and the bucket is planned
-    # again, within the headroom left, or, below what GC now needs, all R with the warning
-    # ``_plan_bucket`` gives. The growth is the max over ranks, so every rank plans again the
-    # same buckets. Memory created later is seen by the plan's check, where it is not taken
-    # for the plan's (NOTE [ Growth that is not the plan's ] in checks.py).
+    # planned in (``grown``, ``Profiler.result``; from a later point, below), and a bucket
+    # planned in a step is charged once, at the next step's start, with what appeared since
+    # (the first optimizer step, if it came after, is then behind it): added to its baseline and
+    # GC's peak, and the bucket is planned again, within the headroom left, or, below what GC now
+    # needs, all R with the warning ``_plan_bucket`` gives. The growth is the max over ranks, so
+    # every rank plans again the same buckets. Memory created later is seen by the plan's check,
+    # where it is not taken for the plan's (NOTE [ Growth that is not the plan's ] in checks.py).
     # Parameters' gradients are left out of the readings: a trainer that keeps them between
     # steps would otherwise have them in the growth after the first backward as well as in the
     # profiled peaks (the backward makes them). Other memory a profiled microbatch makes and
-    # keeps (first-use caches of the libraries: 0.7 MiB on a tiny model) is counted twice, in
-    # the samples taken after it appeared and in the growth added to them: GC's peak reads high
-    # by it, so an absolute budget leaves less headroom and a relative one (m x that peak)
-    # allows (m - 1) x it more. The largest such cache is HiLoRe's own (NOTE [ A codec's first
-    # use ]), made before the first reading. The charge at the next step's start is therefore
-    # counted from the later of the planned step's start and the planning itself (a forward's
-    # start, after the profiled microbatches): the caches a first forward leaves (37 MiB of
-    # host memory measured on a 2-core AVX-512 CPU: a tiny Qwen2, no codec) are in that
-    # reading and in the samples, not in the charge; counted from the step's start they had
-    # sent a plan with room for 2x the optimizer's state to all R. A profile spread over
-    # several steps still raises its earlier samples by what appeared between those steps.
+    # keeps -- first-use caches of the libraries: 37 MiB of host memory after the first
+    # microbatch of a process, measured on a 2-core AVX-512 CPU with a tiny Qwen2 and no codec --
+    # is in the samples taken after it appeared; counted from the step's start, it was counted
+    # again in the growth added to them: GC's peak read high by it, so an absolute budget left
+    # less headroom (a plan with room for 2x the optimizer's state went all R) and a relative
+    # one (m x that peak) allowed (m - 1) x it more. So a sample is raised by what appeared
+    # after the later of its step's start and the start of the next sample of its step (its
+    # own for the step's last): memory the first sample left behind is in the second's start
+    # reading and peak, not in the growth (``Profiler._shifts``). The charge at the next step's
+    # start is counted the same way, from the later of the planned step's start and the
+    # planning itself (a forward's start, after the profiled microbatches). The largest such
+    # cache is HiLoRe's own (NOTE [ A codec's first use ]), made before the first reading.
     #
     # NOTE [ A codec's first use ]
     # The codec's kernels are compiled at their first call (inductor's graphs, generated code
@@ -295,12 +299,13 @@ class Metering(PlanChecks):
         codec.warmup((_activation_dtype(self.s.runtime.model, device),), device)
         self.s.warm_up("compile", time.perf_counter() - begin)
 
-    def grown(self) -> dict[int, int]:
-        """Step -> what appeared in use between its start and this step's."""
+    def grown(self) -> tuple[dict[int, int], int | None]:
+        """Step -> what appeared in use between its start and this step's; and what is in use
+        at this step's start (less gradients), None before it was read."""
         now = self.step_bases.get(self.s.steps)
         if now is None:
-            return {}
-        return {k: max(0, now - base) for k, base in self.step_bases.items()}
+            return {}, None
+        return {k: max(0, now - base) for k, base in self.step_bases.items()}, now
 
     def planned(self, bucket) -> None:
         """``bucket`` was planned from samples of this process: charged at the next step's start

@@ -418,6 +418,7 @@ class Profiler:
         self.phases: list[dict | None] = []  # layer position (None: before them) -> room
         self.layers = 0  # HiLoRe's layers
         self.baselines: list[int] = []
+        self.starts: list[int | None] = []  # in use at each sample's start, less gradients
         self.steps: list[int] = []  # the step each sample was taken in
         self.tokens: list[int] = []  # the tokens (sequences x positions) of each sample
         self.seconds = 0.0
@@ -443,7 +444,7 @@ class Profiler:
         return sample
 
     def add(self, sample: _Sample, layer_positions: dict[int, int], peak: int | None, baseline: int,
-            step: int = 0, phases: dict | None = None) -> None:
+            step: int = 0, phases: dict | None = None, start: int | None = None) -> None:
         """``phases``: the tracked window's peak per layer index (None: before the layers'
         backward), where it was read; kept as what each leaves under the window's own peak."""
         self.samples.append(sample.finish(layer_positions))
@@ -455,17 +456,31 @@ class Profiler:
                            {(k if k is None else layer_positions[k]): top - v
                             for k, v in phases.items() if k is None or k in layer_positions})
         self.baselines.append(baseline)
+        self.starts.append(start)
         self.steps.append(step)
         self.seconds += sample.overhead_s
 
-    def result(self, grown: dict[int, int] | None = None,
+    # NOTE [ The baseline of the samples that count ]
+    # A bucket's baseline (in use at a forward's start) is the least over its samples but the
+    # first, like its times. The first microbatch of a shape -- of the process, often -- leaves
+    # memory behind that stays: the CPU's kernel libraries' caches and buffers, allocated at
+    # their first use (37 MiB in a fresh process with a 2-layer, 128-wide model), held by every
+    # later microbatch's peak. Taken from before it, the baseline read that much low: GC's peak
+    # above it (scaled to a bucket's other lengths) read that much high, and the plan's check,
+    # which takes what is in use at a microbatch's start beyond the baseline as growth that is
+    # not the plan's (NOTE [ Growth that is not the plan's ] in checks.py), took it off every
+    # peak it read (an overshoot of that size went unseen) or, under an absolute budget,
+    # charged it again to GC's peak, which held it already.
+    def result(self, grown: dict[int, int] | None = None, now: int | None = None,
                timed: list[tuple[int, list[UnitCost]]] | None = None) -> BucketProfile:
-        """``grown``: step -> the memory that appeared after that step's start, up to now
-        (NOTE [ Memory that appears after profiling ] in plan/metering.py): each sample's peak
-        and baseline are raised by it, so samples from before an optimizer's first step are
-        read as if taken now. ``timed``: the run's timed samples, every bucket's (NOTE [ A
-        bucket learns from the others ]); the times are theirs, per token, at this bucket's
-        tokens, where this bucket has fewer timed samples of its own than ``repeats`` asks."""
+        """``grown``: step -> the memory that appeared after that step's start, up to now;
+        ``now``: what is in use at this step's start, less gradients (NOTE [ Memory that
+        appears after profiling ] in plan/metering.py): each sample's peak and baseline are
+        raised by what appeared after it (``_shifts``), so samples from before an optimizer's
+        first step are read as if taken now. ``timed``: the run's timed samples, every bucket's
+        (NOTE [ A bucket learns from the others ]); the times are theirs, per token, at this
+        bucket's tokens, where this bucket has fewer timed samples of its own than ``repeats``
+        asks."""
         used = self.samples[1:] if len(self.samples) > 1 else self.samples
         units = []
         for per_unit in zip(*used):
@@ -479,13 +494,31 @@ class Profiler:
             units.append(merged)
         if timed and not self.done:
             units = per_token_times(units, timed, statistics.median(self.tokens) or 1)
-        shift = [(grown or {}).get(k, 0) for k in self.steps]
+        shift = self._shifts(grown or {}, now)
         top, layers = self._rooms(self.layers)
+        # NOTE [ The baseline of the samples that count ]
+        first = 1 if len(self.baselines) > 1 else 0
         return BucketProfile(self.key, units,
                              gc_peak_bytes=max(p + d for p, d in zip(self.peaks, shift) if p is not None),
-                             baseline_bytes=min(b + d for b, d in zip(self.baselines, shift)),
+                             baseline_bytes=min(b + d for b, d in zip(self.baselines[first:],
+                                                                      shift[first:])),
                              repeats=len(used), seconds=self.seconds, top_room_bytes=top,
                              layer_room_bytes=layers)
+
+    def _shifts(self, grown: dict[int, int], now: int | None) -> list[int]:
+        """What appeared after each sample, up to ``now``: after its step's start, and after
+        the start of the next sample of its step (the sample's own, for the step's last), which
+        holds what the sample left behind (NOTE [ Memory that appears after profiling ] in
+        plan/metering.py)."""
+        shifts = []
+        for i, step in enumerate(self.steps):
+            shift = grown.get(step, 0)
+            later = [s for s, k in zip(self.starts[i + 1:], self.steps[i + 1:]) if k == step]
+            start = later[0] if later else self.starts[i]
+            if now is not None and start is not None:
+                shift = min(shift, max(0, now - start))
+            shifts.append(shift)
+        return shifts
 
     def _rooms(self, n_layers: int) -> tuple[int, list[int]]:
         """What each phase leaves under its window's peak, the least over the metered samples

@@ -70,6 +70,7 @@ class Scheduler:
         self.row_values = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
         self.rows_agreed = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
         self.longest = 0  # the forward in progress's length, the max over ranks
+        self.shortest = 0  # and the least
         self.metering = Metering(self)  # the memory windows (plan/metering.py)
         self.passes = MatchedPasses(self)
         self.timing = None  # (leave-one-out, variant, start) of the forward in progress
@@ -97,6 +98,7 @@ class Scheduler:
         self.runtime._split_next = None  # set by ``_apply`` for this forward only
         key, shortest = self._bucket_key(self.rows_here, length,
                                          prediction.row_values(self, length))
+        self.shortest = shortest
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = Bucket(key, Profiler(key, self.config.profile_microbatches))
@@ -316,7 +318,8 @@ class Scheduler:
         self.warm_up("planning")
         if profiled:
             # NOTE [ Memory that appears after profiling ] in plan/metering.py
-            bucket.profile = self._agree(bucket.profiler.result(self.metering.grown(), self._timed()))
+            grown, now = self.metering.grown()
+            bucket.profile = self._agree(bucket.profiler.result(grown, now, self._timed()))
             self.metering.planned(bucket)
         profile = bucket.profile
         device = self._device()
