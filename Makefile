@@ -11,7 +11,8 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 # Per-test limit in seconds: a hung collective fails its test instead of the whole run.
 TEST_TIMEOUT ?= 900
-PYTEST_ARGS ?=
+# The slowest tests are listed at the end of every run (the suite's time is mostly launches).
+PYTEST_ARGS ?= --durations=15
 # pytest-xdist workers, a whole test module each (NOTE [ Two test workers ] in tests/conftest.py);
 # 0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
