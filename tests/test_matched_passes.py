@@ -199,13 +199,16 @@ def test_calibration_takes_the_exact_gradient_from_the_training_backward(monkeyp
     assert len([x for v in calibration["susceptibility"].values() for x in v]) == 1
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_the_exact_gradient_is_captured_where_no_layer_outgrows_its_input(lora, monkeypatch):
+@pytest.mark.parametrize("lora, predicted", [(True, False), (False, False), (True, True)],
+                         ids=["lora", "full", "lora-predicted"])
+def test_the_exact_gradient_is_captured_where_no_layer_outgrows_its_input(lora, predicted,
+                                                                          monkeypatch):
     """NOTE [ When the exact gradient is captured ]: with GC's activations read as nothing (the
     rule of 1/16 of them alone never captures), LoRA layers -- each layer's gradients under its
     input, the largest under the packed bytes -- still capture, one pass at the step; full
     fine-tuning at this length (a layer's gradients several times its input) runs the two-pass
-    form. Either way one calibration sample is measured."""
+    form, and so does a microbatch whose prediction may re-solve the plan. Either way one
+    calibration sample is measured."""
     import dataclasses
 
     model = _lora_model() if lora else tiny_model("qwen2", layers=2, hidden=64, intermediate=128,
@@ -228,6 +231,8 @@ def test_the_exact_gradient_is_captured_where_no_layer_outgrows_its_input(lora, 
                         lambda job, actions: (one_pass.append(1), against(job, actions))[1])
     try:
         for step in range(3):  # 0, 1 profiled (all R); 2 planned all L and calibrated
+            if predicted and step == 2:
+                runtime.expect([1.0] * B)  # every sequence exposed: nothing elided
             _step(runtime, model, step)
         stats = runtime.stats
         groups = passes._layer_params()
@@ -237,7 +242,7 @@ def test_the_exact_gradient_is_captured_where_no_layer_outgrows_its_input(lora, 
     input_bytes = B * T * passes.token_bytes
     assert passes.token_bytes == 64 * 4
     assert (layer_bytes <= input_bytes) == lora, (layer_bytes, input_bytes)  # the premise
-    assert (len(captured), len(one_pass)) == ((1, 1) if lora else (0, 0))
+    assert (len(captured), len(one_pass)) == ((1, 1) if lora and not predicted else (0, 0))
     assert stats["calibration"]["microbatches"] == 1
     assert len([x for v in stats["calibration"]["susceptibility"].values() for x in v]) == 1
 

@@ -234,14 +234,18 @@ class MatchedPasses(PassRunner):
     # above where it began but for the layer in progress, whose gradients are made before its
     # saved tensors go; and that one is covered where the largest layer's gradients are no
     # more than the packed bytes the microbatch does not keep (it runs its packed units
-    # recomputed: NOTE [ The exact gradient from training ]). Else the capture is taken only
+    # recomputed: NOTE [ The exact gradient from training ]) -- the bucket's plan, so not where
+    # every rank handed over a prediction, which may re-solve it to spend what the zero rows
+    # leave (NOTE [ Freed memory is spent ] in prediction.py). Else the capture is taken only
     # where the whole of it is small against GC's activations (1/16), and the two-pass form
     # runs at the optimizer step otherwise. Reading the first rule from the activations alone
     # sent a LoRA model's 128-position bucket (its gradients 2.75 MiB, 1/16 of its activations
     # less) to the two-pass form at the step, where the budget had no room for a pass in one
     # piece: 8 pieces, 12.9 s for a calibration against 1.2 s captured (2-core CPU, 2 ranks).
     # Decided from what every rank agrees on (the profile, the plan, the shortest length over
-    # ranks): the capture's pass ends in an all-reduce.
+    # ranks, whether every rank predicted): the capture's pass ends in an all-reduce. A rank
+    # with fewer sequences than the bucket's most frees less per layer than reckoned, but its
+    # plan is priced for the most, and the sequences it lacks leave more room than that.
     def _capture_fits(self, bucket) -> bool:
         """Whether the calibration microbatch captures its exact gradient from the training
         backward (NOTE [ When the exact gradient is captured ])."""
@@ -258,9 +262,12 @@ class MatchedPasses(PassRunner):
         activations = max(0, profile.gc_peak_bytes - profile.baseline_bytes) if profile else 0
         if self._capture_bytes <= activations // 16:
             return True
+        s = self.scheduler
+        if s.rows_agreed[0] < 1.0:  # a prediction on every rank: the plan may be re-solved
+            return False
         layer = self._layer_capture_bytes
-        tokens = bucket.key[0] * self.scheduler.shortest
-        return self.token_bytes is not None and layer <= tokens * self.token_bytes and \
+        tokens = bucket.key[0] * s.shortest
+        return bool(self.token_bytes) and layer <= tokens * self.token_bytes and \
             layer <= self._packed_bytes(bucket)
 
     @staticmethod
@@ -278,7 +285,7 @@ class MatchedPasses(PassRunner):
         at its own forward (``mb.pass_job``), never to a later forward's (a forward with grad
         between a microbatch's forward and its backward, e.g. a reference model's that is never
         backpropagated): that job is the one the step's passes then run."""
-        if self.token_bytes is None and grad.dim() >= 3:  # (..., B, T, H)
+        if self.token_bytes is None and grad.dim() >= 3 and grad.numel():  # (..., B, T, H)
             rows = max(1, grad.shape[-3] * grad.shape[-2])
             self.token_bytes = grad.element_size() * grad.numel() // rows
         job = mb.pass_job

@@ -513,7 +513,8 @@ class Profiler:
         shifts = []
         for i, step in enumerate(self.steps):
             shift = grown.get(step, 0)
-            later = [s for s, k in zip(self.starts[i + 1:], self.steps[i + 1:]) if k == step]
+            later = [s for s, k in zip(self.starts[i + 1:], self.steps[i + 1:])
+                     if k == step and s is not None]
             start = later[0] if later else self.starts[i]
             if now is not None and start is not None:
                 shift = min(shift, max(0, now - start))
