@@ -1,9 +1,21 @@
 """Run a worker script on several CPU ranks and collect what each rank reports.
 
-``run_distributed(script, args)`` starts ``script`` under the ``deepspeed`` runner or
-``mpirun -np N`` with ``DS_ACCELERATOR=cpu``, passes it ``--result_dir DIR --master_port P``
-after ``args``, and returns the JSON each rank wrote with :func:`write_result`, sorted by
-rank. A non-zero exit or a timeout fails with every rank's output.
+``run_distributed(script, args)`` starts ``script`` on N ranks with ``DS_ACCELERATOR=cpu``,
+passes it ``--result_dir DIR --master_port P`` after ``args``, and returns the JSON each rank
+wrote with :func:`write_result`, sorted by rank. A non-zero exit or a timeout fails with every
+rank's output.
+
+# NOTE [ Three ways to start ranks ]
+# ``launcher="direct"`` (the default) starts the N rank processes itself, each with what
+# DeepSpeed's launcher gives a local rank: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK,
+# CROSS_SIZE, MASTER_ADDR / MASTER_PORT in its environment and ``--local_rank=R`` before its
+# arguments (tests/test_launch.py compares the two). ``"deepspeed"`` goes through ``deepspeed
+# --num_gpus N``, whose runner and launcher are two more Python processes that import
+# DeepSpeed before any rank starts: a launch that does nothing took 14.6 s through them
+# against 4.5 s started directly (2-core CPU), and the suite makes dozens of launches. The
+# ranks run the same code either way; tests whose point is the user's command (the examples,
+# TRL's variable, the mpirun comparison) name the runner. ``"mpirun"`` is ``mpirun -np N``
+# (mpich), where DeepSpeed discovers the ranks through MPI.
 
 Workers are run from the repository root with it on ``PYTHONPATH``, so they can
 ``from tests.launch import write_result`` (or :func:`run_cases`, which runs a worker's cases and
@@ -36,7 +48,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _BIN = Path(sys.executable).parent
-LAUNCHERS = ("deepspeed", "mpirun")
+LAUNCHERS = ("direct", "deepspeed", "mpirun")
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "CROSS_RANK", "CROSS_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
              "OMPI_COMM_WORLD_SIZE")
@@ -118,6 +130,8 @@ def end_distributed() -> None:
 
 def _command(script: Path, args: list[str], nprocs: int, launcher: str, port: int,
              log_dir: Path) -> list[str]:
+    if launcher == "direct":
+        return [sys.executable, __file__, str(nprocs), str(port), str(log_dir), str(script), *args]
     if launcher == "deepspeed":
         return [str(_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(port),
                 f"--enable_each_rank_log={log_dir}", str(script), *args]
@@ -156,14 +170,15 @@ RETRIED = (NATIVE_ABORT, PORT_TAKEN)
 
 
 def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...] = (), nprocs: int = 2,
-                    launcher: str = "deepspeed", timeout: float = 300.0, retry: bool = True) -> list[dict]:
+                    launcher: str = "direct", timeout: float = 300.0, retry: bool = True) -> list[dict]:
     """Run ``script`` on ``nprocs`` CPU ranks and return each rank's result dict, by rank.
 
     Args:
         script: worker script (absolute, or relative to the repository root).
         args: arguments for the script; ``--result_dir DIR --master_port P`` are appended.
         nprocs: number of ranks.
-        launcher: ``"deepspeed"`` (``deepspeed --num_gpus N``) or ``"mpirun"`` (``mpirun -np N``).
+        launcher: ``"direct"`` (the rank processes started here), ``"deepspeed"`` (``deepspeed
+            --num_gpus N``) or ``"mpirun"`` (``mpirun -np N``): NOTE [ Three ways to start ranks ].
         timeout: seconds before every process of the launch is killed and the test fails.
         retry: run the launch once more after a native abort or a port taken (``RETRIED``,
             see above).
@@ -218,3 +233,34 @@ def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...]
         # session of launches would otherwise hold gigabytes of the machine's memory
         for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             path.unlink(missing_ok=True)
+
+
+def _start_ranks(nprocs: str, port: str, log_dir: str, script: str, *args: str) -> int:
+    """The ``"direct"`` launcher, run as ``python tests/launch.py NPROCS PORT LOG_DIR SCRIPT
+    ARGS...`` (NOTE [ Three ways to start ranks ]): starts the ranks, each writing its output to
+    LOG_DIR/rankR.log, and waits for them; where one exits with an error the others are ended
+    (a rank left waiting in a collective would wait for the launch's timeout). Returns the
+    first error's exit code, 0 when every rank succeeded."""
+    procs = []
+    for rank in range(int(nprocs)):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=nprocs,
+                   LOCAL_SIZE=nprocs, CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port)
+        with open(Path(log_dir) / f"rank{rank}.log", "w", encoding="utf-8") as log:
+            procs.append(subprocess.Popen([sys.executable, "-u", script, f"--local_rank={rank}", *args],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            return failed[0] if failed[0] > 0 else 128 - failed[0]  # killed by a signal: 128 + N
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    sys.exit(_start_ranks(*sys.argv[1:]))

@@ -11,7 +11,7 @@ from tests.launch import run_distributed
 def test_grpo_minimal_trains_with_the_zero2_hilore_config():
     ranks = run_distributed("examples/grpo_minimal.py",
                             ["--deepspeed_config", "ds_configs/zero2_hilore.json", "--steps", "2"],
-                            nprocs=2, timeout=300)
+                            nprocs=2, launcher="deepspeed", timeout=300)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["plan_hash"] == ranks[1]["plan_hash"]
     for r in ranks:

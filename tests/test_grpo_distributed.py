@@ -45,7 +45,7 @@ def single_process_gradient(loss_type: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_distributed(worker.__file__, [], nprocs=2, launcher="deepspeed", timeout=600)
+    return run_distributed(worker.__file__, [], nprocs=2, timeout=600)
 
 
 def _as_tensors(grads: dict, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

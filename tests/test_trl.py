@@ -2,8 +2,8 @@
 
 The distributed tests launch tests/workers/trl_grpo_worker.py (TRL's real GRPOTrainer, a tiny
 Qwen2 and tokenizer built here, ZeRO-2, beta > 0 so a reference model exists, gradient
-checkpointing on, 3 GRPO steps of 2 micro-steps) on 2 CPU ranks with the deepspeed runner,
-three times:
+checkpointing on, 3 GRPO steps of 2 micro-steps) on 2 CPU ranks (``env_H`` through the deepspeed
+runner, the others started directly), in these launches:
 
 * ``gc``: no variable -- TRL with transformers' gradient checkpointing, ds_hilore not imported;
 * ``env_H``: ``DS_HILORE_CONFIG='{"force_plan": "H"}'`` and a ds_config without a block;
@@ -57,6 +57,9 @@ LAUNCHES = {  # name -> (environment, "hilore" block of the ds_config or None)
     "block_beta0": ({"DS_HILORE": "1"}, {"enabled": True, "profile_microbatches": 1}),
 }
 WORKER_ARGS = {name: ["--beta", "0"] for name in ("gc_beta0", "env_H_beta0", "block_beta0")}
+# through DeepSpeed's runner, as users launch: the variable reaches the ranks through it; the
+# others start their ranks directly (NOTE [ Three ways to start ranks ] in tests/launch.py)
+RUNNER_LAUNCHED = {"env_H"}
 
 
 # ---- re-enabling checkpointing with new kwargs -----------------------------------------
@@ -114,7 +117,8 @@ def trl_run(model_dir, tmp_path_factory, monkeypatch):
                     _launched[name] = run_distributed(
                         worker.__file__, ["--model_dir", str(model_dir), "--deepspeed", str(path),
                                           "--steps", str(STEPS), *WORKER_ARGS.get(name, [])],
-                        nprocs=2, timeout=300)
+                        nprocs=2, launcher="deepspeed" if name in RUNNER_LAUNCHED else "direct",
+                        timeout=300)
                 except pytest.fail.Exception as failure:
                     _launched[name] = str(failure)
         if isinstance(_launched[name], str):

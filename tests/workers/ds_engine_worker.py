@@ -1,6 +1,7 @@
 """Worker for tests/test_engine_distributed.py: train a tiny model under DeepSpeed on CPU ranks.
 
-Run by tests.launch.run_distributed (deepspeed runner or mpirun). Each ``--case`` is
+Run by tests.launch.run_distributed (ranks started directly, the deepspeed runner or mpirun).
+Each ``--case`` is
 ``<config>:<model>:<mode>[:<loss>]``:
 
 * config: a file of ds_configs/ without ``.json`` (``zero2_hilore``, ``zero3_lora_hilore``, ...)
