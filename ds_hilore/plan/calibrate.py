@@ -88,6 +88,12 @@ class _Job:
         return self.first + (rank if self.spread > 1 else 0)
 
 
+def _scaled(bucket, cost, nbytes: float) -> float:
+    """``nbytes`` of one of ``cost``'s forms (its H or L bytes, as profiled) at the bucket's
+    byte scale (its longest length)."""
+    return nbytes * (bucket.byte_scale or {}).get(cost.kind, 1.0)
+
+
 class MatchedPasses(PassRunner):
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -275,9 +281,8 @@ class MatchedPasses(PassRunner):
         """The bytes of the plan's packed units, at the bucket's byte scale."""
         if bucket.plan is None or bucket.profile is None:
             return 0.0
-        scale = bucket.byte_scale or {}
         actions = bucket.plan.actions
-        return sum(cost.l_bytes * scale.get(cost.kind, 1.0) for cost in bucket.profile.units
+        return sum(_scaled(bucket, cost, cost.l_bytes) for cost in bucket.profile.units
                    if actions.get(cost.name) == "L")
 
     def top_grad(self, mb, grad: torch.Tensor) -> None:
@@ -362,14 +367,13 @@ class MatchedPasses(PassRunner):
         bucket = job.bucket
         if bucket.budget_bytes is None or bucket.profile is None:
             return True
-        scale = bucket.byte_scale or {}
         _, names, _ = self._calibration_subset(bucket, job.index(self._rank()))
         per_layer: dict[int, float] = {}
         packed = 0.0
         for cost in bucket.profile.units:
-            per_layer[cost.layer] = per_layer.get(cost.layer, 0.0) + cost.h_bytes * scale.get(cost.kind, 1.0)
+            per_layer[cost.layer] = per_layer.get(cost.layer, 0.0) + _scaled(bucket, cost, cost.h_bytes)
             if cost.name in names:
-                packed += cost.l_bytes * scale.get(cost.kind, 1.0)
+                packed += _scaled(bucket, cost, cost.l_bytes)
         layer_input = job.grad.numel() * job.grad.element_size()  # (B, T, H)
         need = (len(per_layer) + 2) * layer_input + max(per_layer.values(), default=0.0) + packed
         spare = float(bucket.budget_bytes - in_use_bytes(self._device()) - need)
