@@ -377,3 +377,32 @@ def test_zero2_ranks_calibrate_a_group_each_and_zero3_ranks_the_same_one(launche
         assert steps[0][2]["calibration"]["susceptibility"] == steps[1][2]["calibration"]["susceptibility"]
     for rank in launched:
         assert rank["cases"]["zero2:spread"]["param_sha"] == rank["cases"]["zero2:on"]["param_sha"]
+
+
+def test_a_forward_that_records_hidden_states_is_not_run_exact_for_a_capture_again(monkeypatch):
+    """NOTE [ The exact gradient from training ]: where the forward records every layer's output
+    (``output_hidden_states``), a loss may reach the layers from any of them, so the training
+    gradient is not the pass's exact one and the two-pass form runs. Found at the first
+    calibration microbatch's backward, after it ran its packed units recomputed for the capture;
+    the later calibration microbatches run their plan (their packed units packed)."""
+    model = _lora_model()
+    runtime = _attach(model, calibration_microbatches=2)
+    passes = runtime.policy.passes
+    decided, packed = [], []
+    fits = passes._capture_fits
+    monkeypatch.setattr(passes, "_capture_fits",
+                        lambda bucket: (decided.append(fits(bucket)), decided[-1])[1])
+    forward = model.forward
+    monkeypatch.setattr(model, "forward",
+                        lambda *a, **k: forward(*a, **dict(k, output_hidden_states=True)))
+    try:
+        for step in range(4):  # 0, 1 profiled (all R); 2, 3 planned all L and calibrated
+            _step(runtime, model, step)
+            if step >= 2:
+                packed.append(runtime.stats["actions"]["L"])
+        stats = runtime.stats
+    finally:
+        runtime.detach()
+    assert decided == [True, False]  # the rule said yes; the recorded hidden states, no
+    assert packed[0] == 0 and packed[1] > 0  # the first ran exact for nothing; the second packed
+    assert stats["calibration"]["microbatches"] == 2

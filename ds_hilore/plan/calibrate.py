@@ -125,6 +125,7 @@ class MatchedPasses(PassRunner):
         self._capture_bytes: int | None = None  # one gradient of the layers' trainable parameters
         self._layer_capture_bytes = 0  # the same, of the layer with the most
         self.token_bytes: int | None = None  # a layer's input per position (B x T rows), once seen
+        self.hidden_states_recorded = False  # a forward recorded every layer's output (``_capture``)
         # microbatches the next calibration was put off (NOTE [ Calibrated where cheap ])
         self.deferred = 0
 
@@ -257,6 +258,8 @@ class MatchedPasses(PassRunner):
         backward (NOTE [ When the exact gradient is captured ])."""
         if self._zero3:  # its gathers are DeepSpeed's own inside a backward: the two-pass form
             return False
+        if self.hidden_states_recorded:  # the training gradient is not the pass's (``_capture``)
+            return False
         if self._capture_bytes is None:
             groups = self._layer_params()
             self._capture_bytes = sum(numel(p) * p.element_size() for g in groups for p in g)
@@ -330,9 +333,12 @@ class MatchedPasses(PassRunner):
         gradient of the layers' trainable parameters, taken only where that is small
         (``_capture_fits``). Where the layers' parameters get gradient from anywhere but the
         last layer's output (hidden states recorded for the loss), the training gradient is not
-        the pass's exact gradient: the two-pass form runs instead."""
+        the pass's exact gradient: the two-pass form runs instead, and from then on the
+        calibration microbatches are not run exact for a capture (the training script's forward
+        is the same each step)."""
         if any(frame.check_every_layer for frame in mb.live_frames()):
             job.capture = False
+            self.hidden_states_recorded = True
             return
         params = [p for g in self._layer_params() for p in g]
         job.exact = {}
