@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import _BIN, REPO_ROOT, _all_output, _environment, free_port
+from tests.launch import _BIN, REPO_ROOT, _all_output, _command, _environment, free_port
 from tests.workers import dschat_grpo_worker as worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -39,16 +39,22 @@ STEPS, UNITS = 3, 4  # iterations; 2 layers x (attn, mlp)
 
 def launch(*, under_run: bool, env: dict[str, str], args: tuple[str, ...] = (), nprocs: int = 2,
            timeout: float = 300, said: list | None = None) -> list[dict]:
-    """``deepspeed [--module ds_hilore.run] WORKER ARGS`` on ``nprocs`` CPU ranks; each rank's
-    report (the launcher's and the ranks' output appended to ``said``)."""
+    """``deepspeed --module ds_hilore.run WORKER ARGS`` on ``nprocs`` CPU ranks (``under_run``),
+    else the script alone, its ranks started directly (NOTE [ Three ways to start ranks ] in
+    tests/launch.py: it is the reference); each rank's report (the launcher's and the ranks'
+    output appended to ``said``)."""
     work = Path(tempfile.mkdtemp(prefix="hilore_dschat_"))
     result_dir, log_dir = work / "results", work / "logs"
     result_dir.mkdir()
     log_dir.mkdir()
-    target = ["--module", "ds_hilore.run", worker.__file__] if under_run else [worker.__file__]
-    cmd = [str(_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-           f"--enable_each_rank_log={log_dir}", *target, "--steps", str(STEPS), *args,
-           "--result_dir", str(result_dir)]
+    script_args = ["--steps", str(STEPS), *args, "--result_dir", str(result_dir)]
+    port = free_port()
+    if under_run:
+        cmd = [str(_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(port),
+               f"--enable_each_rank_log={log_dir}", "--module", "ds_hilore.run", worker.__file__,
+               *script_args]
+    else:
+        cmd = _command(Path(worker.__file__), script_args, nprocs, "direct", port, log_dir)
     environ = {k: v for k, v in _environment().items() if k not in ("DS_HILORE", "DS_HILORE_CONFIG")}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**environ, **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
