@@ -165,8 +165,8 @@ def _all_output(launcher_output: str, log_dir: Path) -> str:
 # free_port() finds a port free, but another launch (the other test worker's) may take it before
 # the store binds it; the second try gets a new port.
 NATIVE_ABORT = "terminate called without an active exception"
-PORT_TAKEN = "Address already in use"
-RETRIED = (NATIVE_ABORT, PORT_TAKEN)
+PORT_TAKEN = ("Address already in use", "EADDRINUSE")  # the runner's words, the rank's store's
+RETRIED = (NATIVE_ABORT, *PORT_TAKEN)
 
 
 def run_distributed(script: str | os.PathLike, args: list[str] | tuple[str, ...] = (), nprocs: int = 2,

@@ -462,19 +462,21 @@ class Profiler:
 
     # NOTE [ The baseline of the samples that count ]
     # A bucket's baseline (in use at a forward's start) is the least over its samples but the
-    # first, like its times, and GC's peak the largest over them. The first microbatch of a
-    # shape -- of the process, often -- leaves memory behind that stays: the CPU's kernel
-    # libraries' caches and buffers, allocated at their first use (37 MiB in a fresh process
-    # with a 2-layer, 128-wide model), held by every later microbatch's peak. Taken from before
-    # it, the baseline read that much low: GC's peak above it (scaled to a bucket's other
-    # lengths) read that much high, and the plan's check, which takes what is in use at a
-    # microbatch's start beyond the baseline as growth that is not the plan's (NOTE [ Growth
-    # that is not the plan's ] in checks.py), took it off every peak it read (an overshoot of
-    # that size went unseen) or, under an absolute budget, charged it again to GC's peak, which
-    # held it already. The first sample's own peak holds it too, and where it is the last of its
-    # step (one microbatch a step: no gradient accumulation) nothing later in that step tells
-    # its leftovers from the growth after the step's start (``_shifts``), which raised that peak
-    # by them once more: GC's peak read them twice. A sample after the first starts with them.
+    # first, like its times. The first microbatch of a shape -- of the process, often -- leaves
+    # memory behind that stays: the CPU's kernel libraries' caches and buffers, allocated at
+    # their first use (37 MiB in a fresh process with a 2-layer, 128-wide model), held by every
+    # later microbatch's peak. Taken from before it, the baseline read that much low: GC's peak
+    # above it (scaled to a bucket's other lengths) read that much high, and the plan's check,
+    # which takes what is in use at a microbatch's start beyond the baseline as growth that is
+    # not the plan's (NOTE [ Growth that is not the plan's ] in checks.py), took it off every
+    # peak it read (an overshoot of that size went unseen) or, under an absolute budget,
+    # charged it again to GC's peak, which held it already. The first sample's own peak holds
+    # it too, and where it is the last of its step (one microbatch a step: no gradient
+    # accumulation) nothing later in that step tells its leftovers from the growth after the
+    # step's start (``_shifts``), which raised that peak by them once more: GC's peak read them
+    # twice. So there GC's peak is the largest over the later samples, which start with the
+    # leftovers (a first sample longer than every later one then reads GC's peak low: a smaller
+    # budget, never a larger one); elsewhere it is the largest over them all.
     def result(self, grown: dict[int, int] | None = None, now: int | None = None,
                timed: list[tuple[int, list[UnitCost]]] | None = None) -> BucketProfile:
         """``grown``: step -> the memory that appeared after that step's start, up to now;
@@ -502,7 +504,8 @@ class Profiler:
         top, layers = self._rooms(self.layers)
         # NOTE [ The baseline of the samples that count ]
         first = 1 if len(self.baselines) > 1 else 0
-        peaks = [p + d for p, d in zip(self.peaks[first:], shift[first:]) if p is not None] or \
+        alone = first and self.steps[0] not in self.steps[1:]  # the first, the last of its step
+        peaks = [p + d for p, d in zip(self.peaks[alone:], shift[alone:]) if p is not None] or \
             [p + d for p, d in zip(self.peaks, shift) if p is not None]
         return BucketProfile(self.key, units, gc_peak_bytes=max(peaks),
                              baseline_bytes=min(b + d for b, d in zip(self.baselines[first:],
