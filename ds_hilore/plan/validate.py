@@ -98,10 +98,9 @@ class LeaveOneOut:
         interleaved with them; when it ran no slower than the plan in every round (the max over
         ranks, per token), the bucket runs as gradient checkpointing from then on. Every round,
         as for a layer's drop: the rounds are interleaved, so each compares runs seconds apart,
-        where the two fastest runs may come from different moments of a shared machine. On
-        ``make demo`` (2 ranks, 2 cores), whose plan gains a few percent a step, the fastest
-        runs alone sent the run to GC now and then (its whole run after warm-up all R, level
-        with GC where other runs of the same code were ahead). A bucket whose plan keeps
+        where the two fastest runs may come from different moments of a shared machine: with
+        two rounds, a plan a few percent faster than GC (``make demo``'s, on 2 cores) lost to
+        GC's fastest run alone far more often than in both rounds. A bucket whose plan keeps
         nothing runs so without being timed."""
         gc, plan = self.times.get(self.GC), self.times[None]
         return bool(gc) and bool(plan) and all(g <= p for p, g in zip(plan, gc))
