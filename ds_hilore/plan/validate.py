@@ -102,8 +102,7 @@ class LeaveOneOut:
         two rounds, a plan a few percent faster than GC (``make demo``'s, on 2 cores) lost to
         GC's fastest run alone far more often than in both rounds. A bucket whose plan keeps
         nothing runs so without being timed."""
-        gc, plan = self.times.get(self.GC), self.times[None]
-        return bool(gc) and bool(plan) and all(g <= p for p, g in zip(plan, gc))
+        return self.GC in self.times and self._every_round(self.GC)
 
     def noise(self, layer: int) -> float:
         """Half the mean range of the plan's and the layer variant's timings (seconds)."""
@@ -116,6 +115,7 @@ class LeaveOneOut:
         return {layer for layer, utility in self.utilities().items()
                 if utility + self.noise(layer) <= 0 and self._every_round(layer)}
 
-    def _every_round(self, layer: int) -> bool:
-        rounds = list(zip(self.times[None], self.times[layer]))
+    def _every_round(self, variant) -> bool:
+        """Every round ran ``variant`` (a layer recomputed, or GC) no slower than the plan."""
+        rounds = list(zip(self.times[None], self.times[variant]))
         return bool(rounds) and all(variant <= plan for plan, variant in rounds)
