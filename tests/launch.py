@@ -241,11 +241,11 @@ def _start_ranks(nprocs: str, port: str, log_dir: str, script: str, *args: str) 
     LOG_DIR/rankR.log, and waits for them; where one exits with an error the others are ended
     (a rank left waiting in a collective would wait for the launch's timeout). Returns the
     first error's exit code, 0 when every rank succeeded."""
+    from ds_hilore.bench.launch import local_rank_environment  # the bench starts its ranks so
+
     procs = []
     for rank in range(int(nprocs)):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=nprocs,
-                   LOCAL_SIZE=nprocs, CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port)
+        env = local_rank_environment(rank, int(nprocs), int(port))
         with open(Path(log_dir) / f"rank{rank}.log", "w", encoding="utf-8") as log:
             procs.append(subprocess.Popen([sys.executable, "-u", script, f"--local_rank={rank}", *args],
                                           env=env, stdout=log, stderr=subprocess.STDOUT))

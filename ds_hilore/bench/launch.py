@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import ds_hilore
 from ds_hilore.bench.link import CONFIG, SAMPLES, answer, read_samples, request_stop, write_json
 
-__all__ = ["Listener", "RankFailure", "run_ranks"]
+__all__ = ["Listener", "RankFailure", "local_rank_environment", "run_ranks"]
 
 POLL_S = 0.05
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -53,12 +53,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def local_rank_environment(rank: int, ranks: int, port: int,
+                           base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment DeepSpeed's launcher gives local rank ``rank`` of ``ranks`` on one node
+    (its rendezvous on 127.0.0.1:``port``): ``base`` (the process's own by default) with any
+    rank variables it had replaced."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _RANK_ENV}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_SIZE=str(ranks),
+               CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return env
+
+
 def _environment(config, rank: int, port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+    env = local_rank_environment(rank, config.ranks, port)
     package_root = str(Path(ds_hilore.__file__).resolve().parents[1])
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(config.ranks),
-               LOCAL_SIZE=str(config.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               DS_ACCELERATOR=config.device,
+    env.update(DS_ACCELERATOR=config.device,
                PYTHONPATH=os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p))
     if config.device == "cpu" and config.threads:
         env["OMP_NUM_THREADS"] = str(config.threads)

@@ -504,8 +504,9 @@ class Profiler:
         top, layers = self._rooms(self.layers)
         # NOTE [ The baseline of the samples that count ]
         first = 1 if len(self.baselines) > 1 else 0
-        alone = first and self.steps[0] not in self.steps[1:]  # the first, the last of its step
-        peaks = [p + d for p, d in zip(self.peaks[alone:], shift[alone:]) if p is not None] or \
+        # the first sample left out where it is also the last of its step
+        skip = 1 if first and self.steps[0] not in self.steps[1:] else 0
+        peaks = [p + d for p, d in zip(self.peaks[skip:], shift[skip:]) if p is not None] or \
             [p + d for p, d in zip(self.peaks, shift) if p is not None]
         return BucketProfile(self.key, units, gc_peak_bytes=max(peaks),
                              baseline_bytes=min(b + d for b, d in zip(self.baselines[first:],
