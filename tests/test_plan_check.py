@@ -51,7 +51,7 @@ def _microbatch(model, runtime, seed: int, kept=None) -> None:
 class _Recording:
     """One rank's collective that records what each plan's check reduces: (over the budget,
     partial, under the GC peak it was priced on, its peak less its price, in use at its start
-    beyond the profile's baseline), in bytes."""
+    beyond the profile's baseline, its upper bound over the budget), in bytes."""
 
     def __init__(self):
         self.checks: list[list[float]] = []
@@ -97,7 +97,7 @@ def test_a_plan_priced_well_above_its_peak_gives_the_excess_as_headroom(monkeypa
         with caplog.at_level(logging.INFO, logger="ds_hilore"):
             _microbatch(model, runtime, 3)  # the plan's first microbatch: checked
         assert len(collective.checks) == 1
-        over, partial, under_gc, short, grown = collective.checks[0]
+        over, partial, under_gc, short, grown, bound = collective.checks[0]
         margin = max(MiB, bucket.budget_bytes // 100)
         excess = -short
         assert over < 0 and partial == 0 and under_gc <= 0 and excess >= 3 * margin, \
@@ -148,6 +148,100 @@ def test_a_microbatch_run_in_part_does_not_pass_the_plan(monkeypatch):
         assert bucket.checked is plan  # (and planned again if it left room: a credit)
     finally:
         runtime.detach()
+
+
+def _zero_rows_found_after_the_forward(model, runtime, seed: int, zero: int) -> None:
+    """One microbatch whose first ``zero`` sequences have zero loss coefficients (A = 0),
+    handed to HiLoRe with the loss (no prediction): found after the forward, and elided."""
+    from ds_hilore.grpo import policy_loss
+
+    ids = torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
+    advantages = torch.tensor([0.0] * zero + [1.0, -1.0] * ((B - zero) // 2))
+    policy_loss(logp, logp.detach(), advantages, torch.ones_like(logp, dtype=torch.bool),
+                loss_type="grpo", model=model).loss.backward()
+    model.zero_grad(set_to_none=True)
+    runtime.end_step()
+
+
+def test_a_check_in_part_whose_bound_fits_is_not_repeated(monkeypatch):
+    """Sequences found zero after the forward are elided from a plan that stores units whole:
+    the check reads less than the plan keeps (partial), but every byte it did not keep was
+    freed by a downgrade and is added to its later readings (NOTE [ A bound for a check in
+    part ]), an upper bound of the plan's peak run whole. Where it fits the budget the plan is
+    taken at its first check, without a credit; under a budget between the reading and the
+    bound it is checked again. The budget
+    a check compares with is set from the readings (malloc's are not the same on every
+    machine), the rest is the real model's."""
+    from ds_hilore.plan.checks import MAX_CREDITS, MAX_PARTIAL
+
+    equal_utilities(monkeypatch)
+    model = _model()
+    runtime = ds_hilore.attach(model, CONFIG)
+    collective = runtime.collective = _Recording()
+    metering = runtime.policy.metering
+    restored = []
+    _recording_freed(monkeypatch, restored)
+    try:
+        for seed in range(2):  # profiled
+            _microbatch(model, runtime, seed)
+        runtime.expect([0.0] * B)  # planned, run all R: nothing checked
+        _microbatch(model, runtime, 2, kept=[])
+        bucket = runtime.policy.buckets[(B, T)]
+        # planned again with room for some of the eight units, not all (what GC's peak holds
+        # depends on the process: the same room whatever ran in it before)
+        runtime.policy.config = HiLoReConfig(**dict(
+            CONFIG, memory_budget=1 + 6 * MiB / bucket.profile.gc_peak_bytes))
+        runtime.policy._plan_bucket(bucket, profiled=False)
+        plan = bucket.plan
+        assert "H" in plan.actions.values() and "R" in plan.actions.values(), plan
+        assert metering.awaits_check(bucket)
+        budget = bucket.budget_bytes + 64 * MiB  # room for the bound
+        monkeypatch.setattr(metering, "budget_at", lambda b, length: budget)
+        bucket.credits = MAX_CREDITS  # a whole check's room is not credited: the plan stays
+        restored.clear()
+        _zero_rows_found_after_the_forward(model, runtime, 3, zero=0)  # the plan run whole
+        whole, partial, *_ = collective.checks[-1]
+        assert partial == 0 and restored == [] and bucket.checked is bucket.plan
+        bucket.checked = bucket.fit_actions = None
+        _zero_rows_found_after_the_forward(model, runtime, 3, zero=B // 2)
+        over, partial, _, _, _, bound = collective.checks[-1]
+        assert partial == 1 and sum(restored) > 0  # half the stored rows dropped
+        assert over <= bound <= over + sum(restored) and bound <= 0, collective.checks[-1]
+        # an upper bound of what the plan peaked at when run whole (the heap's readings of
+        # the same work differ by some KiB)
+        assert bound >= whole - MiB and over < whole, (whole, over, bound)
+        # (planned again at the step's start with the same actions: memory that appeared
+        # after profiling is charged then, NOTE [ Memory that appears after profiling ])
+        assert bucket.checked is bucket.plan and bucket.fit_actions == plan.actions
+        assert bucket.headroom_credit == 0 and bucket.plan.actions == plan.actions  # no credit
+        assert bucket.key not in metering.partial_checks  # its earlier partial checks dropped
+        # a budget between the reading and its bound: checked again, as any partial check
+        bucket.checked = bucket.fit_actions = None
+        between = budget + int((over + bound) / 2)
+        monkeypatch.setattr(metering, "budget_at", lambda b, length: between)
+        for k in range(MAX_PARTIAL - 1):
+            restored.clear()
+            _zero_rows_found_after_the_forward(model, runtime, 4 + k, zero=B // 2)
+            over, partial, _, _, _, bound = collective.checks[-1]
+            assert partial == 1 and over < 0 < bound, collective.checks[-1]
+            assert bucket.checked is None and metering.awaits_check(bucket), k
+        assert metering.partial_checks[bucket.key][1] == MAX_PARTIAL - 1
+    finally:
+        runtime.detach()
+
+
+def _recording_freed(monkeypatch, restored: list) -> None:
+    """``FreedBytes.add`` also records the bytes it is told."""
+    from ds_hilore.plan.checks import FreedBytes
+
+    add = FreedBytes.add
+
+    def recorded(self, key, unit, nbytes: int) -> None:
+        restored.append(nbytes)
+        add(self, key, unit, nbytes)
+    monkeypatch.setattr(FreedBytes, "add", recorded)
 
 
 def _microbatch_of(model, runtime, length: int, seed: int, transient: int = 0) -> None:

@@ -73,6 +73,7 @@ class Metering(PlanChecks):
         self.tracker: PeakTracker | None = None  # CPU: the op-level window open now, if any
         self.check = None  # (bucket, plan, meter) of the microbatch whose plan's peak is checked
         self.check_partial = False  # that microbatch kept less than its plan (units sent to R, ...)
+        self.check_whole = False  # it ran the plan whole at its forward (checks.py)
         self.check_length = 0  # that microbatch's length, the max over ranks
         self.check_budget = 0  # the budget at this rank's length (``budget_at``)
         # in use at its start, less gradients (NOTE [ Growth that is not the plan's ] in checks.py)

@@ -151,6 +151,7 @@ class Scheduler:
         mb.timing, self.timing = self.timing, None
         mb.derive = mb.derive and self.derives(self.bucket)
         mb.predicted, self.applied = (self.applied if self.bucket.plan is not None else None), None
+        mb.freed = self.metering.freed_bytes()  # NOTE [ A bound for a check in part ] in checks.py
         if self.bucket.plan is None:
             mb.profile = self.bucket.profiler.sample(self.runtime.units, self._device(),
                                                      tokens=self.rows_here * self.length_here)

@@ -308,9 +308,22 @@ class LayerFrame:
 
     # ------------------------------------------------------------------ after forward
     def downgrade(self, pos: int, action: str, rows=None) -> None:
-        """H -> L / E (per sequence), H or L -> R (whole unit); frees the bytes at once."""
+        """H -> L / E (per sequence), H or L -> R (whole unit); frees the bytes at once. Where
+        the microbatch's peak is checked, what each storage or unit freed by E or R is told to
+        its ``freed`` (NOTE [ A bound for a check in part ] in plan/checks.py)."""
+        freed = self.ctx.freed
+        if freed is None or action == "L":  # packing by exposure: the plan's own
+            self._downgrade(pos, action, rows, None)
+            return
+        with freed.aside():  # its own copies are not the plan's
+            self._downgrade(pos, action, rows, freed)
+
+    def _downgrade(self, pos: int, action: str, rows, freed) -> None:
         unit = self.units[pos]
         if action == "R":
+            if freed is not None:  # recomputed at its first unpack: all of it until then
+                key = (self.layer.index, pos)
+                freed.add(key, key, sum(self.unit_summary(pos)[1].values()))
             for ref in unit.slots:
                 slot = ref()
                 if slot is not None and slot.kind == ACT and slot.stored is not None:
@@ -326,7 +339,10 @@ class LayerFrame:
         rows = list(range(self.sequences)) if rows is None else list(rows)
         for stored in unit.stored:
             if action == "E" or stored.packable:
+                before = stored.held_bytes() if freed is not None else 0
                 stored.set_rows(rows, action)
+                if freed is not None:  # decoded whole at its first unpack: until then
+                    freed.add(stored, (self.layer.index, pos), before - stored.held_bytes())
 
     def _drop_fast_forward(self, pos: int) -> None:
         for call in [c for c in self.ff if self.split.unit_of_call(c) == pos]:
@@ -360,6 +376,16 @@ class LayerFrame:
                 "detached, so higher-order terms would be dropped silently. Run that computation "
                 "with HiLoRe off (model.gradient_checkpointing_disable()).")
         self.ctx.settle()  # the checks left, read once (NOTE [ Two reads per microbatch ] in reads.py)
+        freed = self.ctx.freed
+        if freed is None:
+            return self._take(slot)
+        unit = (self.layer.index, slot.pos)  # NOTE [ A bound for a check in part ] in plan/checks.py
+        with freed.aside(unit):  # decoding or recomputing what a downgrade freed: not the plan's
+            t = self._take(slot)
+        freed.unpacked(unit)
+        return t
+
+    def _take(self, slot: Slot) -> torch.Tensor:
         if slot.kind == WEIGHT:
             return slot.weight.get()
         if slot.kind == INPUT:

@@ -302,10 +302,14 @@ class PeakTracker:
     ``freeze()`` ends the peak where the window's work ends (e.g. an end-of-backward
     callback), the mode staying on until ``close()``; ``paused()`` keeps a block out of the
     readings (what is still held after it counts from the next op); ``exclude(n)`` leaves n
-    bytes, held from now to the window's end, out of every later reading.
+    bytes, held from now to the window's end, out of every later reading; ``restore(n)`` adds
+    n bytes freed early to every later reading of ``bound_bytes`` (n < 0 takes them back), whose
+    readings ``bound_paused()`` suspends: an upper bound of the peak of a run that would have
+    kept them (NOTE [ A bound for a check in part ] in plan/checks.py).
 
     Attributes (bytes): ``start_bytes`` in use at ``open()``, ``peak_bytes`` the highest reading
-    (less what was excluded), ``samples`` the number of readings; ``spent_s`` the seconds the
+    (less what was excluded), ``bound_bytes`` the highest reading plus what was restored
+    before it, ``samples`` the number of readings; ``spent_s`` the seconds the
     readings took (a clock can leave them out); ``phase`` a label the caller sets (None at
     ``open()``) and ``phase_peaks`` the highest reading under each label, e.g. per layer's
     backward (NOTE [ The backward's memory, layer by layer ] in plan/profile.py).
@@ -324,7 +328,8 @@ class PeakTracker:
         self.device = _device(device)
         if self.device.type != "cpu":
             raise bug(f"PeakTracker measures CPU memory, not {self.device}")
-        self.start_bytes = self.peak_bytes = 0
+        self.start_bytes = self.peak_bytes = self.bound_bytes = 0
+        self.restored = 0  # bytes added to every later reading of ``bound_bytes``
         self.samples = 0
         self.spent_s = 0.0
         self.frozen = False
@@ -332,6 +337,7 @@ class PeakTracker:
         self.phase = None
         self.phase_peaks: dict = {}
         self._paused = 0
+        self._bound_paused = 0
         self._mode: _SampleAfterEachOp | None = None
         self._thread = threading.get_ident()
 
@@ -347,8 +353,9 @@ class PeakTracker:
         for other in [t for t in _OPEN if t.frozen and t._thread == self._thread]:
             other.close()  # its reading is over: nothing needs its mode
         _warm_up_dispatch_modes()
-        self.start_bytes = self.peak_bytes = in_use_bytes(self.device)
+        self.start_bytes = self.peak_bytes = self.bound_bytes = in_use_bytes(self.device)
         self.samples, self.spent_s, self.frozen, self.excluded = 0, 0.0, False, 0
+        self.restored = 0
         self.phase, self.phase_peaks = None, {None: self.start_bytes}
         self._mode = _SampleAfterEachOp(self)
         _push_at_bottom(self._mode)
@@ -361,6 +368,8 @@ class PeakTracker:
         begin = time.perf_counter()
         reading = in_use_bytes(self.device) - self.excluded
         self.peak_bytes = max(self.peak_bytes, reading)
+        if not self._bound_paused:
+            self.bound_bytes = max(self.bound_bytes, reading + self.restored)
         self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), reading)
         self.samples += 1
         self.spent_s += time.perf_counter() - begin
@@ -380,8 +389,23 @@ class PeakTracker:
         finally:
             self._paused -= 1
 
+    @contextlib.contextmanager
+    def bound_paused(self) -> Iterator[None]:
+        """Readings in the block count for ``peak_bytes``, not for ``bound_bytes``."""
+        self._bound_paused += 1
+        try:
+            yield
+        finally:
+            self._bound_paused -= 1
+
     def exclude(self, nbytes: int) -> None:
         self.excluded += max(0, int(nbytes))
+
+    def restore(self, nbytes: int) -> None:
+        """``nbytes`` > 0: freed early, added to later readings of the bound; < 0: taken back
+        (a run keeping them would have released them by now), or held only by this run."""
+        if not self.frozen:
+            self.restored += int(nbytes)
 
     def enter_phase(self, phase) -> None:
         """Readings from now on count under ``phase`` too (the last one's ends with a reading)."""

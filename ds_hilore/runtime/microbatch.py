@@ -58,6 +58,9 @@ class Microbatch:
         self.mask_independence: dict = {}  # attention mask -> (segments kept apart, causal)
         self.profile = None  # a profiler measuring this microbatch's units (ds_hilore.plan)
         self.plan_key = None  # what the policy planned this microbatch with
+        # told the bytes a downgrade frees and what its backward unpacks, where its plan's peak
+        # is checked (``FreedBytes``, NOTE [ A bound for a check in part ] in plan/checks.py)
+        self.freed = None
         self.timing = None  # the policy's timing of this microbatch (leave-one-out), if any
         self.pass_job = None  # the policy's matched pass of this microbatch, if any
         # token norms of its R units too: a calibration's exposure reads every unit the plan

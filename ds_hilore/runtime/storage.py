@@ -257,6 +257,14 @@ class Stored:
                 buffer[a:b].copy_(part)
         return buffer
 
+    def held_bytes(self) -> int:
+        """Bytes held now, every action (a decoded copy not counted)."""
+        return sum(self.bytes_by_action().values())
+
+    def packs_rows(self) -> bool:
+        """Some sequence is kept packed (L)."""
+        return self.parts is not None and any(isinstance(p, PackedRows) for p in self.parts)
+
     def bytes_by_action(self) -> dict[str, int]:
         """Bytes held now, by the action of the row blocks holding them."""
         if self.parts is None:
