@@ -379,7 +379,7 @@ class LayerFrame:
         freed = self.ctx.freed
         if freed is None:
             return self._take(slot)
-        unit = (self.layer.index, slot.pos)  # NOTE [ A bound for a check in part ] in plan/checks.py
+        unit = (self.layer.index, slot.pos)  # NOTE [ A bound for a check in part ] (checks.py)
         with freed.aside(unit):  # decoding or recomputing what a downgrade freed: not the plan's
             t = self._take(slot)
         freed.unpacked(unit)
