@@ -171,9 +171,8 @@ def test_a_check_in_part_whose_bound_fits_is_not_repeated(monkeypatch):
     freed by a downgrade and is added to its later readings (NOTE [ A bound for a check in
     part ]), an upper bound of the plan's peak run whole. Where it fits the budget the plan is
     taken at its first check, without a credit; under a budget between the reading and the
-    bound it is checked again. The budget
-    a check compares with is set from the readings (malloc's are not the same on every
-    machine), the rest is the real model's."""
+    bound it is checked again. The budget a check compares with is set from the readings
+    (malloc's are not the same on every machine), the rest is the real model's."""
     from ds_hilore.plan.checks import MAX_CREDITS, MAX_PARTIAL
 
     equal_utilities(monkeypatch)
@@ -238,9 +237,9 @@ def _recording_freed(monkeypatch, restored: list) -> None:
 
     add = FreedBytes.add
 
-    def recorded(self, key, unit, nbytes: int) -> None:
+    def recorded(self, unit, nbytes: int, stored=None) -> None:
         restored.append(nbytes)
-        add(self, key, unit, nbytes)
+        add(self, unit, nbytes, stored)
     monkeypatch.setattr(FreedBytes, "add", recorded)
 
 

@@ -353,9 +353,10 @@ class FreedBytes:
         self.held: dict = {}  # Stored or unit -> [unit, bytes added]
         self.copies: dict = {}  # Stored -> bytes of its rows' copies, held beside its decoding
 
-    def add(self, key, unit: tuple[int, int], nbytes: int) -> None:
+    def add(self, unit: tuple[int, int], nbytes: int, stored=None) -> None:
+        """``nbytes`` freed from ``unit``: from its storage ``stored`` (E), or all of it (R)."""
         if nbytes > 0 and self.metering.check is self.check:
-            self.held.setdefault(key, [unit, 0])[1] += nbytes
+            self.held.setdefault(unit if stored is None else stored, [unit, 0])[1] += nbytes
             self.check[2].restore(nbytes)
 
     def aside(self, unit: tuple[int, int] | None = None):

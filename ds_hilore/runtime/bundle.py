@@ -322,8 +322,7 @@ class LayerFrame:
         unit = self.units[pos]
         if action == "R":
             if freed is not None:  # recomputed at its first unpack: all of it until then
-                key = (self.layer.index, pos)
-                freed.add(key, key, sum(self.unit_summary(pos)[1].values()))
+                freed.add((self.layer.index, pos), sum(self.unit_summary(pos)[1].values()))
             for ref in unit.slots:
                 slot = ref()
                 if slot is not None and slot.kind == ACT and slot.stored is not None:
@@ -342,7 +341,7 @@ class LayerFrame:
                 before = stored.held_bytes() if freed is not None else 0
                 stored.set_rows(rows, action)
                 if freed is not None:  # decoded whole at its first unpack: until then
-                    freed.add(stored, (self.layer.index, pos), before - stored.held_bytes())
+                    freed.add((self.layer.index, pos), before - stored.held_bytes(), stored)
 
     def _drop_fast_forward(self, pos: int) -> None:
         for call in [c for c in self.ff if self.split.unit_of_call(c) == pos]:
