@@ -289,6 +289,48 @@ def test_coefficients_of_a_model_without_hilore_go_nowhere_without_a_walk(monkey
         runtime.detach()
 
 
+def test_whose_loss_is_answered_once_per_model_until_a_runtime_attaches(monkeypatch):
+    """The runtime of a loss's model is found by walking modules once (NOTE [ Whose loss, once
+    per model ]): later losses naming the same model walk nothing; a runtime attaching or
+    detaching asks again, and the coefficients go where they belong each time."""
+    from ds_hilore.runtime import registry
+
+    plain = tiny_model("qwen2", layers=2, hidden=32, dropout=False)
+    hilore = tiny_model("qwen2", layers=2, hidden=32, dropout=False, seed=1)
+    runtime = ds_hilore.attach(hilore, {"force_plan": "H"})
+    asked = []
+    find = registry.find_runtime
+    monkeypatch.setattr(registry, "find_runtime", lambda *a: asked.append(a[0]) or find(*a))
+    advantages = torch.tensor([1.0, -1.0, 0.0, 0.5])
+
+    def loss_of(model, step):
+        ids = _ids(step)
+        logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
+        return ds_hilore.grpo.policy_loss(logp, logp.detach(), advantages, torch.ones_like(logp),
+                                          model=model).loss
+
+    second = None
+    try:
+        for step in range(3):
+            loss_of(plain, step).backward()
+            loss_of(hilore, step).backward()
+            assert runtime.stats["microbatches"][-1]["exposure_source"] == "analytic"
+        assert asked == [plain, hilore]  # once per model
+        second = ds_hilore.attach(plain, {"force_plan": "H"})  # the plain model gets its own
+        loss_of(plain, 3).backward()
+        assert second.stats["microbatches"][-1]["exposure_source"] == "analytic"
+        assert asked == [plain, hilore, plain]
+        second.detach()
+        second = None
+        loss_of(plain, 4).backward()  # nowhere again
+        assert asked == [plain, hilore, plain, plain]
+    finally:
+        runtime.detach()
+        if second is not None:
+            second.detach()
+
+
 def test_coefficients_that_name_no_forward_are_warned_about_once(caplog):
     """Two forwards alive and no ``logp=``: said once, not at every step (nothing is elided)."""
     model = tiny_model("qwen2", layers=2, hidden=32, dropout=False)

@@ -20,7 +20,7 @@ import torch
 from ds_hilore._errors import HiLoReError
 from ds_hilore.runtime import discovery
 from ds_hilore.runtime.calls import hidden_input
-from ds_hilore.runtime.registry import ATTACHED
+from ds_hilore.runtime.registry import register, unregister
 from ds_hilore.runtime.units import LayerUnits, eager_call, is_checkpointing_layer
 
 logger = logging.getLogger("ds_hilore")
@@ -90,7 +90,7 @@ class Installation:
             policy_detach()
         self.attached = False
         self._mb = None
-        ATTACHED.discard(self)
+        unregister(self)
 
     def _install(self) -> None:
         for layer in self._layers:
@@ -121,7 +121,7 @@ class Installation:
                     self._hooks.append(leaf.register_forward_pre_hook(self._enter_leaf))
                     self._hooks.append(leaf.register_forward_hook(self._leave_leaf))
         self.attached = True
-        ATTACHED.add(self)
+        register(self)
 
     def _enter_leaf(self, module, args) -> None:
         self._weights.leaf = module

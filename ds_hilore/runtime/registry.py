@@ -17,6 +17,22 @@ from ds_hilore.grpo import handoff
 
 ATTACHED: "weakref.WeakSet" = weakref.WeakSet()  # HiLoReRuntime, while attached
 _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
+_generation = 0  # bumped whenever a runtime attaches or detaches (``_of_model``'s answers)
+_OF_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (generation, answer)
+
+
+def register(runtime) -> None:
+    """``runtime`` attached: found from now on."""
+    global _generation
+    ATTACHED.add(runtime)
+    _generation += 1
+
+
+def unregister(runtime) -> None:
+    """``runtime`` detached."""
+    global _generation
+    ATTACHED.discard(runtime)
+    _generation += 1
 
 
 def sharing(model: nn.Module) -> list:
@@ -63,13 +79,36 @@ def _runtime_of(logp: torch.Tensor):
                                 if mb.last_hidden_fn is not None and mb.live_frames()})
 
 
+# NOTE [ Whose loss, once per model ]
+# Every microbatch's loss names its model; which runtime that is (its own, one around it or one
+# inside it), and whether any runtime shares modules with it, takes walks over the modules of
+# the model and of every runtime attached: thousands of modules, a few ms on a small LoRA model
+# where several runtimes are attached (the bench's engines side by side), paid by a model
+# trained without HiLoRe as much as by one with it. The answer is kept per model until a
+# runtime attaches or detaches; a model whose modules are rearranged between two such events
+# (not something a training loop does) would be answered as it was arranged before.
+def _of_model(model: nn.Module) -> tuple:
+    """(``find_runtime(model)``, whether any runtime shares modules with ``model``), kept
+    (NOTE [ Whose loss, once per model ])."""
+    kept = _OF_MODEL.get(model)
+    if kept is not None and kept[0] == _generation:
+        return kept[1]
+    runtime = find_runtime(model)
+    answer = (runtime, runtime is not None or bool(sharing(model)))
+    _OF_MODEL[model] = (_generation, answer)
+    return answer
+
+
 def _receive_coefficients(coefficients: torch.Tensor, logp: torch.Tensor, model: nn.Module | None) -> None:
     """ω published by a ``ds_hilore.grpo`` loss goes to the runtime of the model it came from:
     ``model``'s (none where ``model`` has no runtime: a model trained without HiLoRe beside
     one with it), else the only one attached, else the one whose live forward ``logp`` was
     computed from (an actor and a critic both attached, no ``model=`` given)."""
-    runtime = find_runtime(model)
-    if runtime is None and (model is None or sharing(model)):  # where logp came from
+    if model is None:
+        runtime, shared = find_runtime(None), True
+    else:
+        runtime, shared = _of_model(model)
+    if runtime is None and shared:  # where logp came from
         runtime = _runtime_of(logp)
     if runtime is not None and runtime.enabled:
         runtime.set_coefficients(coefficients, logp=logp)
