@@ -203,6 +203,29 @@ def test_runs_pack_once_and_elided_rows_inside_a_run_get_stand_ins():
     assert ((back[[1, 3]] - x[[1, 3]]).norm() / x[[1, 3]].norm()) < 0.01
 
 
+def test_kept_rows_are_held_once_after_their_storage_is_decoded():
+    """NOTE [ Kept rows, held once ] in storage.py: a storage with elided and packed rows keeps
+    copies of its H rows until its first use decodes it; then the buffer holds them and the
+    copies are freed, the row states and byte counts as they were, the values exact."""
+    import weakref
+
+    codec = get_codec("int8", "eager")
+    x = torch.randn(4, 8, 32)  # (B, T, H)
+    stored = Stored(x, rows=4, block=8 * 32, group=32, codec=codec, packable=True, counters=Counters())
+    stored.set_rows([1], "E")
+    stored.set_rows([3], "L")
+    copies = [weakref.ref(stored.parts[i]) for i in (0, 2)]
+    states, held = stored.row_states(), stored.bytes_by_action()
+    assert states == ["H", "E", "H", "L"] and held["H"] == 2 * 8 * 32 * 4
+    back = stored.view((x.size(), x.stride(), x.storage_offset()))
+    assert [ref() for ref in copies] == [None, None]  # freed: the buffer holds the rows
+    assert stored.row_states() == states and stored.bytes_by_action() == held
+    assert torch.equal(back[[0, 2]], x[[0, 2]]) and torch.equal(back[1], torch.ones(8, 32))
+    assert torch.equal(stored.view((x.size(), x.stride(), x.storage_offset())), back)
+    stored.release()
+    assert stored.parts is None and stored.buffer is None
+
+
 def test_eliding_rows_of_a_packed_run_frees_their_bytes():
     codec = get_codec("int8", "eager")
     x = torch.randn(4, 8, 64)  # (B, T, H)

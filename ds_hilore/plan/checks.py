@@ -210,9 +210,9 @@ class PlanChecks:
     # them would hold those bytes more until its backward holds as much again: a unit sent to
     # R recomputes its tensors at its first unpack; a storage with elided rows decodes itself
     # whole at its first use (an unpack, or a tensor re-derived from it), a buffer the size of
-    # the whole plan's storage, beside which it keeps the copies of its rows until released
-    # (more than the whole plan holds: taken off); a storage with packed rows holds them beside
-    # its decoding in the whole plan too, until released. So each reading of the op-level
+    # the whole plan's storage, its rows' copies dropped then (NOTE [ Kept rows, held once ] in
+    # runtime/storage.py); a storage with packed rows holds them beside its decoding in the
+    # whole plan too, until released. So each reading of the op-level
     # tracker plus what is freed and not yet held again (``PeakTracker.restore``) bounds what
     # the whole plan holds at that point, and the highest such reading bounds its peak; the
     # downgrades' own copies, and the decoding or recompute of what they freed, are left out
@@ -351,7 +351,6 @@ class FreedBytes:
     def __init__(self, metering, check):
         self.metering, self.check = metering, check
         self.held: dict = {}  # Stored or unit -> [unit, bytes added]
-        self.copies: dict = {}  # Stored -> bytes of its rows' copies, held beside its decoding
 
     def add(self, unit: tuple[int, int], nbytes: int, stored=None) -> None:
         """``nbytes`` freed from ``unit``: from its storage ``stored`` (E), or all of it (R)."""
@@ -371,19 +370,15 @@ class FreedBytes:
         """The backward unpacked a tensor of ``unit``: a unit sent to R is recomputed whole
         now; a storage decoded (directly, or for a tensor re-derived from it) holds as much as
         the whole plan's, which it replaces; one released is released in the whole plan too."""
-        if not self.held and not self.copies:
+        if not self.held:
             return
         back = self.held.pop(unit, [None, 0])[1]
         for stored in [k for k in self.held if not isinstance(k, tuple)]:
-            released = stored.pending <= 0
-            # a storage with packed rows holds them beside its decoding in the whole plan too
-            if released or (stored.buffer is not None and not stored.packs_rows()):
+            # decoded, it holds a buffer of the whole storage, its rows' copies dropped (NOTE
+            # [ Kept rows, held once ] in storage.py); with packed rows it holds them beside the
+            # buffer in the whole plan too, until released
+            if stored.pending <= 0 or (stored.buffer is not None and not stored.packs_rows()):
                 back += self.held.pop(stored)[1]
-                if not released:  # the copies of its kept rows, held beside the decoding
-                    self.copies[stored] = stored.held_bytes()
-                    back += self.copies[stored]
-        for stored in [k for k in self.copies if k.pending <= 0]:
-            back -= self.copies.pop(stored)
         if back and self.metering.check is self.check:
             self.check[2].restore(-back)
 

@@ -121,12 +121,25 @@ class PackedRows:
         self.packed, self.start, self.stop = packed, start, stop
 
 
+class _InBuffer:
+    """A kept sequence's copy dropped once its storage is decoded: its values are in the
+    buffer (NOTE [ Kept rows, held once ])."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "IN_BUFFER"
+
+
+IN_BUFFER = _InBuffer()
+
+
 class Stored:
     """One activation storage kept by a unit: whole, or as per-sequence blocks.
 
     Whole: the tensors saved by forward are referenced as they are (bitwise exact, no copy).
-    Blocks: ``parts[i]`` is a tensor copy (H), a ``PackedRows`` shared by a run of sequences
-    (L), or None (E: a stand-in). Sequence ``i`` is the element range ``spans[i]`` of the
+    Blocks: ``parts[i]`` is a tensor copy (H; ``IN_BUFFER`` once decoded), a ``PackedRows``
+    shared by a run of sequences (L), or None (E: a stand-in). Sequence ``i`` is the element range ``spans[i]`` of the
     storage: row blocks of ``block`` elements each for a batch-major storage (NOTE
     [ Batch-first ]), or the token ranges of the segments of a packed row (``block`` given as
     the tuple of spans; NOTE [ Packed sequences ] in packed.py).
@@ -176,7 +189,8 @@ class Stored:
     def row_states(self) -> list[str]:
         if self.parts is None:
             return ["H"] * self.rows
-        return ["E" if p is None else "H" if isinstance(p, torch.Tensor) else "L" for p in self.parts]
+        return ["E" if p is None else "H" if p is IN_BUFFER or isinstance(p, torch.Tensor)
+                else "L" for p in self.parts]
 
     def set_rows(self, rows, action: str) -> None:
         """Move the given sequences to L (pack) or E (drop); frees their bytes at once."""
@@ -236,12 +250,26 @@ class Stored:
         if self.owner is not None:
             self.counters.checks.append((packed.stats, *self.owner, "nonfinite", None))
 
+    # NOTE [ Kept rows, held once ]
+    # A storage split by sequence (some packed or elided) keeps copies of the sequences that
+    # stay H. Its first use in the backward decodes it into one buffer of the whole storage's
+    # size, the kept sequences copied in: from then on the copies hold nothing the buffer does
+    # not, so they are dropped there (``IN_BUFFER``), and the storage holds the buffer (and its
+    # packed runs) until released, as a storage kept whole holds itself. Kept, the copies
+    # stayed beside the buffer until the release, and eliding sequences could cost memory: on
+    # one ``paper-cpu`` microbatch of 8 x 256 at 1.10x (plan H R H R R ... H H) the plan run
+    # whole peaked 7.0 MiB under the budget, with two of its sequences found zero and elided
+    # 2.4 MiB under; with the copies dropped, 12.9 MiB under (four zero: 17.1, was 13.8). The
+    # row states and byte counts stay what they were (an ``IN_BUFFER`` row is H and counts its
+    # bytes: the buffer holds them).
     def view(self, spec) -> torch.Tensor:
         if self.parts is None:
             return self.base.as_strided(*spec)
         if self.buffer is None:
             with self.counters.timed("unpack_s", self.device):
                 self.buffer = self._decode()
+            # NOTE [ Kept rows, held once ]
+            self.parts = [IN_BUFFER if isinstance(p, torch.Tensor) else p for p in self.parts]
         return self.buffer.as_strided(*spec)
 
     def _decode(self) -> torch.Tensor:
@@ -270,9 +298,11 @@ class Stored:
         if self.parts is None:
             return {"H": self.nbytes if self.base is not None else 0}
         out = {"H": 0, "L": 0}
-        for p in self.parts:
+        for (a, b), p in zip(self.spans, self.parts):
             if isinstance(p, torch.Tensor):
                 out["H"] += p.untyped_storage().nbytes()
+            elif p is IN_BUFFER:  # NOTE [ Kept rows, held once ]: as its copy held
+                out["H"] += (b - a) * self.dtype.itemsize
         out["L"] = sum(run.packed.nbytes for run in {id(p): p for p in self.parts
                                                       if isinstance(p, PackedRows)}.values())
         return out
