@@ -64,6 +64,16 @@ def test_a_forward_that_stops_short_recomputes_on_every_rank(ranks):
         assert rank["raised"] == [None, None] and rank["global_steps"] == 2, rank
 
 
+def test_the_last_layers_checks_are_agreed_on_whether_its_frame_keeps_or_not(ranks):
+    got = [_case(r, "top_frame_on_one_rank") for r in ranks]
+    # step 1: rank 0 knows the shape (its last frame keeps nothing), rank 1 learns it; step 2
+    # the other way round; step 3 both know it
+    assert [g["whole"] for g in got] == [[[], [0, 1], [], [0, 1]], [[], [], [0, 1], [0, 1]]], got
+    for rank in got:  # no rank waited on an all-reduce the other never made
+        assert rank["raised"] == [None] * 4 and rank["global_steps"] == 4, rank
+    assert got[0]["params"] == got[1]["params"]
+
+
 @pytest.fixture(scope="module")
 def planned():
     """One launch of tests/workers/plan_agreement_worker.py (its docstring says what each case

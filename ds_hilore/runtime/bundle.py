@@ -131,6 +131,9 @@ class LayerFrame:
         # the shape key under which its bytes are learnt, where it keeps what autograd keeps
         # (NOTE [ A layer that keeps everything ] in calling.py)
         self.whole_key: tuple | None = None
+        # the last layer keeping what autograd keeps: run without the pack hooks, its bytes
+        # those learnt at ``whole_key``; nothing of it is downgraded (calling.py, same NOTE)
+        self.kept_whole = False
 
     @property
     def sequences(self) -> int:
@@ -156,8 +159,13 @@ class LayerFrame:
 
     # ------------------------------------------------------------------ forward
     def run(self):
-        """The layer's forward under capture."""
+        """The layer's forward under capture (``kept_whole``: without it, autograd keeping
+        what it saves; the frame then needs neither the call nor its inputs again)."""
         self._check_rows()
+        if self.kept_whole:  # nothing holds its microbatch through it (no cycle)
+            fn, args = self.fn, self.args
+            self.fn = self.args = self.ctx = None
+            return fn(*args)
         self.rng = RngState(self.device)
         self.autocast = autocast_state(self.device.type)
         self.autocast_cache = torch.is_autocast_cache_enabled()
@@ -311,6 +319,8 @@ class LayerFrame:
         """H -> L / E (per sequence), H or L -> R (whole unit); frees the bytes at once. Where
         the microbatch's peak is checked, what each storage or unit freed by E or R is told to
         its ``freed`` (NOTE [ A bound for a check in part ] in plan/checks.py)."""
+        if self.kept_whole:  # autograd's own tensors: nothing to free, exact as they are
+            return
         freed = self.ctx.freed
         if freed is None or action == "L":  # packing by exposure: the plan's own
             self._downgrade(pos, action, rows, None)
@@ -351,6 +361,8 @@ class LayerFrame:
         """(action, bytes by action) of unit ``pos`` as it stands now."""
         if self.plan.actions[pos] == "R":
             return "R", {}
+        if self.kept_whole:  # learnt by a frame that ran the layer at these shapes
+            return "H", {"H": self.layer.whole_bytes[self.whole_key][pos], "L": 0}
         unit = self.units[pos]
         states, total = set(), {"H": 0, "L": 0}
         for stored in unit.stored:

@@ -89,10 +89,14 @@ class LayerCalls:
         if self._checkpointed(layer, plan, mb, function, args):
             return self._run_checkpointed(layer, mb, function, args)
         whole = self._keeps_everything(layer, plan, mb, function, args)
-        if whole is not None and whole in layer.whole_bytes and layer.row_safe is not None:
+        known = whole is not None and whole in layer.whole_bytes and layer.row_safe is not None
+        last = layer.index == self._last_active
+        if known and not last:
             return self._run_whole(layer, mb, function, args, whole)
         frame = LayerFrame(layer, function, args, plan, mb)
         frame.whole_key = whole  # its bytes serve the calls without a frame at this shape
+        if known:  # the last layer: a frame for the microbatch's checks, not for keeping
+            frame.kept_whole, mb.top_frame, mb.whole[layer.index] = True, frame, whole
         if mb.packed is not False:  # one-row inputs only: position_ids are (1, T) for any batch
             mb.packed = frame.batch == 1 and self._packed_sequences(mb, frame, function)
         mb.frames[layer.index] = weakref.ref(frame)
@@ -101,7 +105,6 @@ class LayerCalls:
         if layer.row_safe is None and mb.split is None:
             self._learn_rows(layer, frame, out)
         frame.elision_ok, frame.check_every_layer = gradient_entry(out)
-        last = layer.index == self._last_active
         hidden = _hidden_of(out)
         if hidden is not None and hidden.requires_grad:
             if last and self.zero_backward_skip:  # NOTE [ A backward of zeros ] in zero_backward.py
@@ -220,13 +223,13 @@ class LayerCalls:
         device = hidden_input(args, getattr(function, "keywords", None) or {}).device
         return mb.index - self._skipped_at > _SKIP_MEMORY and self.elision_mode(device) is not True
 
-    def _frame_wanted(self, layer: LayerUnits, mb: Microbatch) -> bool:
+    def _frame_wanted(self, layer: LayerUnits | None, mb: Microbatch) -> bool:
         """Whether ``layer`` runs through its frame for more than what it keeps, whatever its
-        plan: the last HiLoRe layer, a profiled microbatch, token norms of every unit wanted,
-        rows split or predicted zero (NOTE [ A layer that keeps nothing ], NOTE [ A layer that
-        keeps everything ])."""
-        return layer.index == self._last_active or mb.profile is not None or mb.norms_all \
-            or mb.split is not None or getattr(self.policy, "predicted_zero", False)
+        plan: the last HiLoRe layer (``layer`` None: any other), a profiled microbatch, token
+        norms of every unit wanted, rows split or predicted zero (NOTE [ A layer that keeps
+        nothing ], NOTE [ A layer that keeps everything ])."""
+        return (layer is not None and layer.index == self._last_active) or mb.profile is not None \
+            or mb.norms_all or mb.split is not None or getattr(self.policy, "predicted_zero", False)
 
     # NOTE [ A layer that keeps everything ]
     # A layer whose every unit is H, in a microbatch that keeps what autograd keeps -- no
@@ -240,10 +243,18 @@ class LayerCalls:
     # reported as its frame counted them for inputs of the same shapes (and autocast), less the
     # exposure's token norms only a frame computes: the first call at a shape runs through the
     # frame, later ones without it.
-    # Not where a frame is wanted for more than keeping: the last HiLoRe layer (its frame
-    # carries the microbatch's checks), a profiled microbatch, one whose token norms are wanted
-    # or that a matched pass weighs by its units' exposure (calibration, the held-out ranking:
-    # the frames' token norms give it), rows split or predicted zero; nor where the layer's
+    # The last HiLoRe layer keeps a frame for the microbatch's own work -- the coefficients'
+    # shapes, the elision's flags and the check at the top of the backward, the summary -- but
+    # that frame keeps nothing (``kept_whole``: no pack hook, no inputs held, nothing of it
+    # downgraded; its bytes the learnt ones). No saved tensor holds it, so the microbatch does
+    # (``top_frame``) until the top of its backward, which then reads the checks left
+    # (``settle``) where the frame's first unpack would have: whether the last layer keeps
+    # through its frame may differ between ranks, the point of that read and all-reduce may
+    # not. On ``tiny`` (2 layers of width 64, one process) its frame had cost about 2 % of a
+    # step against no checkpointing. Not where a frame is wanted for more than keeping: a
+    # profiled microbatch, one whose token norms are wanted or that a matched pass weighs by
+    # its units' exposure (calibration, the held-out ranking: the frames' token norms give
+    # it), rows split or predicted zero; nor where the layer's
     # parameters are partitioned between calls (ZeRO-3, FSDP), which a frame references rather
     # than holds. Below a gate that skips the backward (NOTE [ A backward of zeros ] in
     # zero_backward.py) its nodes get no gradient and have nothing to recompute: allowed there,
@@ -251,13 +262,13 @@ class LayerCalls:
     # zero keeps its bytes here (a frame would drop them; within the budget, which priced
     # them), and its units cannot be downgraded after its forward. Whether a layer runs so may
     # differ between ranks (a shape met first on one of them): no collective depends on it,
-    # neither path issues one in the forward and the backward's first reads are the last
-    # layer's.
+    # neither path issues one in the forward, and the backward's first reads are made at the
+    # top of the last layer either way.
     def _keeps_everything(self, layer: LayerUnits, plan, mb: Microbatch, function,
                           args: tuple) -> tuple | None:
         """The shape key of a call that may run without a frame (NOTE [ A layer that keeps
         everything ]), else None."""
-        if mb.derive or mb.pass_job is not None or self._frame_wanted(layer, mb) \
+        if mb.derive or mb.pass_job is not None or self._frame_wanted(None, mb) \
                 or any(a != "H" for a in plan.actions) \
                 or any(rows is not None for rows in plan.rows) \
                 or self._weights.partitioned(layer.module):

@@ -230,6 +230,9 @@ class Elision:
                 self._no_stand_ins(mb)
             if self.runtime.policy is not None:
                 self.runtime.policy.top_grad(mb, grad)
+            if mb.top_frame is not None:  # NOTE [ A layer that keeps everything ] (calling.py)
+                mb.top_frame = None
+                mb.settle()  # where its first unpack would: the same point on every rank
             return
         if mb.last_layer != self.runtime._last_active and not mb.stopped_short:
             mb.stopped_short = True  # the first layer-output gradient of its backward

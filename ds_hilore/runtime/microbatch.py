@@ -33,6 +33,9 @@ class Microbatch:
         # one in codec_error_interval measures what it packs (NOTE [ Measured or not ] in codecs.py)
         self.counters = Counters(measure=index % runtime.config.codec_error_interval == 0)
         self.frames: dict[int, weakref.ref] = {}  # layer index -> frame
+        # the last layer's frame where it keeps what autograd keeps: no saved tensor holds it,
+        # so this does, until the top of its backward (NOTE [ A layer that keeps everything ])
+        self.top_frame = None
         self.last_layer = -1
         self.coefficients: torch.Tensor | None = None
         self.exposure: dict[str, torch.Tensor] = {}  # unit name -> (B,) E_{u,i} (packed: per segment)

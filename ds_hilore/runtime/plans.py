@@ -93,7 +93,7 @@ class Plans:
         unit = self._unit(name)
         mb = self._mb if mb is None else mb
         frame = mb.frame(unit.layer_index) if mb is not None else None
-        if frame is None and mb is not None and unit.layer_index in mb.whole:
+        if (frame is None or frame.kept_whole) and mb is not None and unit.layer_index in mb.whole:
             raise HiLoReError(
                 f"downgrade({name!r}): its layer ran without a frame this microbatch, keeping "
                 "what autograd keeps (every unit H, nothing re-derived or elided: NOTE [ A layer "

@@ -25,6 +25,14 @@ ds_hilore/runtime/agreement.py). Run by tests.launch.run_distributed; each ``--c
   on both ranks -- rank 1, which elided nothing, too -- or rank 0 would stop alone while rank
   1 walks into the critic step's next collective.
 
+* ``top_frame_on_one_rank``: ZeRO-2, H everywhere, nothing re-derived or elided (every layer
+  keeps what autograd keeps, the last one through a frame that keeps nothing once its shape is
+  known: NOTE [ A layer that keeps everything ]), and a loss that hands no coefficients
+  (``exposure_source`` "analytic"), so the checks left are read and agreed on at the top of the
+  backward, one all-reduce. The ranks meet the shapes in another order, so at steps 1 and 2
+  one rank's last layer runs through its full frame (the shape's first call) and the other's
+  keeps nothing: both must make that all-reduce at the same point.
+
 Each rank reports, per case, what ``engine.step()`` raised (or null) at each step, HiLoRe's
 ``backward_skipped`` count, and the SHA-256 of the parameters at the end.
 """
@@ -178,8 +186,25 @@ def stopped_short(port: int) -> dict:
     return {"raised": raised, "global_steps": engine.global_steps}
 
 
+def top_frame_on_one_rank(port: int) -> dict:
+    engine = _engine(port, 2, 4, {"force_plan": "H", "derive_pointwise": False,
+                                  "elide_zero_rows": False, "exposure_source": "analytic"})
+    rank = dist.get_rank()
+    lengths = ((T, 16), (T, T), (16, 16), (T, T))  # (rank 0's, rank 1's) per step
+    raised, whole = [], []
+    for step, both in enumerate(lengths):
+        ids = torch.randint(3, VOCAB, (4, both[rank]),
+                            generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = engine(input_ids=ids).logits.float().square().mean()
+        whole.append(sorted(engine.hilore._mb.whole))
+        raised.append(_step(engine, loss))
+    return {"raised": raised, "whole": whole, "global_steps": engine.global_steps,
+            "params": _digest(engine)}
+
+
 CASES = {"late_leak": late_leak, "late_leak_two_engines": late_leak_two_engines,
-         "packed_skip": packed_skip, "stopped_short": stopped_short}
+         "packed_skip": packed_skip, "stopped_short": stopped_short,
+         "top_frame_on_one_rank": top_frame_on_one_rank}
 
 
 def main() -> None:
