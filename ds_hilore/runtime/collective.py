@@ -32,6 +32,7 @@ import torch.distributed as dist
 __all__ = ["TorchDistCollective", "collective_for_attach"]
 
 _HOST_BACKENDS = ("gloo", "mpi")  # reduce CPU tensors without an accelerator's queue
+_ACTIONS = "HLRE"  # broadcast_actions' codes
 
 
 def collective_for_attach() -> "TorchDistCollective | None":
@@ -63,8 +64,14 @@ class TorchDistCollective:
         self.device = "cpu"  # where the host values are reduced
 
     def broadcast_actions(self, actions: list[str]) -> list[str]:
-        """Rank 0's ``actions`` on every rank (other ranks' input is ignored)."""
-        return list(self.broadcast_object(list(actions)))
+        """Rank 0's ``actions`` (one of "HLRE" each, as many on every rank) on every rank; other
+        ranks' input is ignored. One broadcast of their codes (an object's takes two)."""
+        codes = torch.tensor([_ACTIONS.index(a) for a in actions], dtype=torch.int64)
+        if _TRACE:
+            _trace(self.rank, f"broadcast_actions n={len(actions)}")
+        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(codes, src=source, group=self.host_group)
+        return [_ACTIONS[c] for c in codes.tolist()]
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` (picklable) on every rank."""
