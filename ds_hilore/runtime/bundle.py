@@ -162,9 +162,9 @@ class LayerFrame:
         """The layer's forward under capture (``kept_whole``: without it, autograd keeping
         what it saves; the frame then needs neither the call nor its inputs again)."""
         self._check_rows()
-        if self.kept_whole:  # nothing holds its microbatch through it (no cycle)
+        if self.kept_whole:  # held by its microbatch until the top of its backward: no tensor
             fn, args = self.fn, self.args
-            self.fn = self.args = self.ctx = None
+            self.fn = self.args = None
             return fn(*args)
         self.rng = RngState(self.device)
         self.autocast = autocast_state(self.device.type)

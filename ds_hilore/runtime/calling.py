@@ -250,15 +250,13 @@ class LayerCalls:
     # (``top_frame``) until the top of its backward, which then reads the checks left
     # (``settle``) where the frame's first unpack would have: whether the last layer keeps
     # through its frame may differ between ranks, the point of that read and all-reduce may
-    # not. On ``tiny`` (2 layers of width 64, one process) its frame had cost about 2 % of a
-    # step against no checkpointing. Not where a frame is wanted for more than keeping: a
-    # profiled microbatch, one whose token norms are wanted or that a matched pass weighs by
-    # its units' exposure (calibration, the held-out ranking: the frames' token norms give
-    # it), rows split or predicted zero; nor where the layer's
-    # parameters are partitioned between calls (ZeRO-3, FSDP), which a frame references rather
-    # than holds. Below a gate that skips the backward (NOTE [ A backward of zeros ] in
-    # zero_backward.py) its nodes get no gradient and have nothing to recompute: allowed there,
-    # unlike a layer that keeps nothing. What it gives up: a microbatch whose every sequence is
+    # not. Not where a frame is wanted for more than keeping: a profiled microbatch, one whose
+    # token norms are wanted or that a matched pass weighs by its units' exposure (calibration,
+    # the held-out ranking: the frames' token norms give it), rows split or predicted zero; nor
+    # where the layer's parameters are partitioned between calls (ZeRO-3, FSDP), which a frame
+    # references rather than holds. Below a gate that skips the backward (NOTE [ A backward
+    # of zeros ] in zero_backward.py) its nodes get no gradient and have nothing to recompute:
+    # allowed there, unlike a layer that keeps nothing. What it gives up: a microbatch whose every sequence is
     # zero keeps its bytes here (a frame would drop them; within the budget, which priced
     # them), and its units cannot be downgraded after its forward. Whether a layer runs so may
     # differ between ranks (a shape met first on one of them): no collective depends on it,
