@@ -253,3 +253,31 @@ def test_the_bytes_reported_without_a_frame_leave_out_the_frames_token_norms():
         assert without_live == plain
     finally:
         runtime.detach()
+
+
+def test_a_unit_flagged_on_another_rank_stays_as_autograd_kept_it():
+    """A check that failed on another rank sends its units to R on every rank (NOTE
+    [ Collective fallback ]); where every layer keeps what autograd keeps, the last one's frame
+    included, there is nothing to recompute: the units stay H in the stats, the gradients those
+    of the model without HiLoRe, bitwise."""
+    model = tiny_model("qwen2", layers=LAYERS, dropout=False)
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, dict(WHOLE))
+    inputs = batch(seq=16)
+    try:
+        for _ in range(2):
+            loss_and_grads(model, inputs)
+            runtime.end_step()
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        mb = runtime._mb
+        assert sorted(mb.whole) == list(range(LAYERS)) and mb.top_frame is not None
+        mb.fall_back([], [1] * len(runtime.units))  # every unit, as another rank's flags say
+        assert mb.summary["actions"] == {"H": 2 * LAYERS, "L": 0, "R": 0, "E": 0}
+        out.logits.float().sum().backward()
+        runtime.end_step()
+        assert runtime.stats["actions"] == {"H": 2 * LAYERS, "L": 0, "R": 0, "E": 0}
+        ref(**inputs).logits.float().sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    finally:
+        runtime.detach()

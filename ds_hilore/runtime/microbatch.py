@@ -190,6 +190,8 @@ class Microbatch:
         packed are no part of the stats: the backward never reads them (and a non-finite run
         has no error to report)."""
         for frame in self.live_frames():
+            if frame.kept_whole:  # autograd's own tensors, exact (NOTE [ A layer that keeps
+                continue  # everything ] in calling.py): nothing to recompute
             for pos, unit in enumerate(frame.layer.units):
                 if flags[unit.index] and frame.plan.actions[pos] != "R":
                     self._to_r(frame, pos)
