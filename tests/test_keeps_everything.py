@@ -212,14 +212,19 @@ def test_a_bucket_planned_to_store_everything_runs_its_layers_without_frames(mon
         runtime.detach()
 
 
+def _learn_shape(model, runtime, inputs) -> None:
+    """Two microbatches of ``inputs``: units found, then the bytes at their shape learnt."""
+    for _ in range(2):
+        loss_and_grads(model, inputs)
+        runtime.end_step()
+
+
 def test_a_unit_of_a_layer_run_without_its_frame_says_why_it_cannot_be_downgraded():
     model = tiny_model("qwen2", layers=LAYERS, dropout=False)
     runtime = ds_hilore.attach(model, dict(WHOLE))
     inputs = batch(seq=16)
     try:
-        for _ in range(2):
-            loss_and_grads(model, inputs)
-            runtime.end_step()
+        _learn_shape(model, runtime, inputs)
         out = model(**inputs)  # the forward only: its microbatch is alive while out is
         assert sorted(runtime._mb.whole) == list(range(LAYERS))
         for layer in (0, LAYERS - 1):  # the last one's frame keeps nothing either
@@ -265,9 +270,7 @@ def test_a_unit_flagged_on_another_rank_stays_as_autograd_kept_it():
     runtime = ds_hilore.attach(model, dict(WHOLE))
     inputs = batch(seq=16)
     try:
-        for _ in range(2):
-            loss_and_grads(model, inputs)
-            runtime.end_step()
+        _learn_shape(model, runtime, inputs)
         model.zero_grad(set_to_none=True)
         out = model(**inputs)
         mb = runtime._mb

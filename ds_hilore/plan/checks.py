@@ -202,33 +202,33 @@ class PlanChecks:
     # from its own readings; growth an absolute budget charges is charged as after any check.
     #
     # NOTE [ A bound for a check in part ]
-    # Most partial checks need not be repeated. Where the microbatch ran the bucket's plan
-    # whole at its forward and kept less only after it (sequences found zero elided, units the
-    # risk fit sent to R), every byte it did not keep was first kept, then freed by a
-    # downgrade (``LayerFrame.downgrade``), which tells the check what it freed, by storage (E)
-    # or by unit (R) (``FreedBytes``, the microbatch's ``freed``). The same microbatch keeping
-    # them would hold those bytes more until its backward holds as much again: a unit sent to
-    # R recomputes its tensors at its first unpack; a storage with elided rows decodes itself
-    # whole at its first use (an unpack, or a tensor re-derived from it), a buffer the size of
-    # the whole plan's storage, its rows' copies dropped then (NOTE [ Kept rows, held once ] in
+    # Most partial checks need not be repeated. Where the microbatch ran the bucket's plan whole
+    # at its forward and kept less only after it (sequences found zero elided, units the risk
+    # fit sent to R), every byte it did not keep was first kept, then freed by a downgrade
+    # (``LayerFrame.downgrade``), which tells the check what it freed, by storage (E) or by unit
+    # (R) (``FreedBytes``, the microbatch's ``freed``). The same microbatch keeping them would
+    # hold those bytes more until its backward holds as much again: a unit sent to R recomputes
+    # its tensors at its first unpack; a storage with elided rows decodes itself whole at its
+    # first use (an unpack, or a tensor re-derived from it), a buffer the size of the whole
+    # plan's storage, its rows' copies dropped then (NOTE [ Kept rows, held once ] in
     # runtime/storage.py); a storage with packed rows holds them beside its decoding in the
-    # whole plan too, until released. So each reading of the op-level
-    # tracker plus what is freed and not yet held again (``PeakTracker.restore``) bounds what
-    # the whole plan holds at that point, and the highest such reading bounds its peak; the
-    # downgrades' own copies, and the decoding or recompute of what they freed, are left out
-    # of it (``FreedBytes.aside``: the whole plan runs none of them). A partial check whose bound,
-    # like its reading, is within the budget on every rank is taken as a whole one that fits,
-    # without a credit (its reading is low by what was not kept); one whose bound is over is
-    # checked again as before. Not where the microbatch ran a plan re-solved for its rows (the
-    # prediction's zero sequences never kept: another plan), nor on CUDA, whose window is read
-    # from the device's peak counter once (no reading to add them to). Measured on one
-    # ``paper-cpu`` microbatch of 8 x 256 at 1.10x (plan H R H R R ... H H): with 4 of 8
-    # sequences found zero the check read 13.8 MiB under the budget and bounded the whole plan
-    # at 6.90 MiB under; the same microbatch with elision off peaked 6.93 MiB under. Before
-    # the bound, ``hilore bench --model paper-cpu --run-steps 40`` (shuffled groups, half of
-    # them at A = 0) ran ten checks in its warm-up, each 0.3-1.4 s above GC's step, most of
-    # them repeats of a plan whose microbatch had elided sequences; with it, seven, one per
-    # plan, and the warm-up cost 5.7 s above GC's steps instead of 9.7 s.
+    # whole plan too, until released. So each reading of the op-level tracker plus what is freed
+    # and not yet held again (``PeakTracker.restore``) bounds what the whole plan holds at that
+    # point, and the highest such reading bounds its peak; the downgrades' own copies, and the
+    # decoding or recompute of what they freed, are left out of it (``FreedBytes.aside``: the
+    # whole plan runs none of them). A partial check whose bound, like its reading, is within
+    # the budget on every rank is taken as a whole one that fits, without a credit (its reading
+    # is low by what was not kept); one whose bound is over is checked again as before. Not
+    # where the microbatch ran a plan re-solved for its rows (the prediction's zero sequences
+    # never kept: another plan), nor on CUDA, whose window is read from the device's peak
+    # counter once (no reading to add them to). Measured on one ``paper-cpu`` microbatch of 8 x
+    # 256 at 1.10x (plan H R H R R ... H H): with 4 of 8 sequences found zero the check read
+    # 13.8 MiB under the budget and bounded the whole plan at 6.90 MiB under; the same
+    # microbatch with elision off peaked 6.93 MiB under. Before the bound, ``hilore bench
+    # --model paper-cpu --run-steps 40`` (shuffled groups, half of them at A = 0) ran ten checks
+    # in its warm-up, each 0.3-1.4 s above GC's step, most of them repeats of a plan whose
+    # microbatch had elided sequences; with it, seven, one per plan, and the warm-up cost 5.7 s
+    # above GC's steps instead of 9.7 s.
     def _keep_margin(self, bucket, plan, over: float, margin: int) -> None:
         """Lower the headroom of ``bucket`` so that its next plan peaks a margin under the
         budget; the caller plans it again."""

@@ -223,50 +223,55 @@ class LayerCalls:
         device = hidden_input(args, getattr(function, "keywords", None) or {}).device
         return mb.index - self._skipped_at > _SKIP_MEMORY and self.elision_mode(device) is not True
 
-    def _frame_wanted(self, layer: LayerUnits | None, mb: Microbatch) -> bool:
+    def _frame_wanted(self, layer: LayerUnits, mb: Microbatch) -> bool:
         """Whether ``layer`` runs through its frame for more than what it keeps, whatever its
-        plan: the last HiLoRe layer (``layer`` None: any other), a profiled microbatch, token
-        norms of every unit wanted, rows split or predicted zero (NOTE [ A layer that keeps
-        nothing ], NOTE [ A layer that keeps everything ])."""
-        return (layer is not None and layer.index == self._last_active) or mb.profile is not None \
-            or mb.norms_all or mb.split is not None or getattr(self.policy, "predicted_zero", False)
+        plan: the last HiLoRe layer, or any layer of a microbatch that wants its frames (NOTE
+        [ A layer that keeps nothing ])."""
+        return layer.index == self._last_active or self._frames_wanted(mb)
+
+    def _frames_wanted(self, mb: Microbatch) -> bool:
+        """Whether every layer of ``mb`` runs through a frame that keeps: a profiled microbatch,
+        token norms of every unit wanted, rows split or predicted zero (NOTE [ A layer that
+        keeps everything ])."""
+        return mb.profile is not None or mb.norms_all or mb.split is not None \
+            or getattr(self.policy, "predicted_zero", False)
 
     # NOTE [ A layer that keeps everything ]
     # A layer whose every unit is H, in a microbatch that keeps what autograd keeps -- no
     # pointwise tensor re-derived (``mb.derive`` false: NOTE [ Derived tensors ] in derived.py)
-    # and no zero sequence's bytes taken out of its storages (elision off or ``"whole"`` on
-    # this device, or the policy keeps them whole: ``Scheduler.keeps_whole``) -- stores through
-    # its frame exactly what autograd saves without one; the pack hook on every saved tensor,
-    # the weights' recognition and the slots' bookkeeping only cost host time (a few ms per
-    # layer and microbatch where layers are small). It runs as the model does without
-    # checkpointing, with the elision's hook on its output as any layer. Its bytes are
-    # reported as its frame counted them for inputs of the same shapes (and autocast), less the
-    # exposure's token norms only a frame computes: the first call at a shape runs through the
-    # frame, later ones without it.
+    # and no zero sequence's bytes taken out of its storages (elision off or ``"whole"`` on this
+    # device, or the policy keeps them whole: ``Scheduler.keeps_whole``) -- stores through its
+    # frame exactly what autograd saves without one; the pack hook on every saved tensor, the
+    # weights' recognition and the slots' bookkeeping only cost host time (a few ms per layer
+    # and microbatch where layers are small). It runs as the model does without checkpointing,
+    # with the elision's hook on its output as any layer. Its bytes are reported as its frame
+    # counted them for inputs of the same shapes (and autocast), less the exposure's token norms
+    # only a frame computes: the first call at a shape runs through the frame, later ones
+    # without it.
     # The last HiLoRe layer keeps a frame for the microbatch's own work -- the coefficients'
     # shapes, the elision's flags and the check at the top of the backward, the summary -- but
     # that frame keeps nothing (``kept_whole``: no pack hook, no inputs held, nothing of it
     # downgraded; its bytes the learnt ones). No saved tensor holds it, so the microbatch does
     # (``top_frame``) until the top of its backward, which then reads the checks left
     # (``settle``) where the frame's first unpack would have: whether the last layer keeps
-    # through its frame may differ between ranks, the point of that read and all-reduce may
-    # not. Not where a frame is wanted for more than keeping: a profiled microbatch, one whose
-    # token norms are wanted or that a matched pass weighs by its units' exposure (calibration,
-    # the held-out ranking: the frames' token norms give it), rows split or predicted zero; nor
+    # through its frame may differ between ranks, the point of that read and all-reduce may not.
+    # Not where a frame is wanted for more than keeping: a profiled microbatch, one whose token
+    # norms are wanted or that a matched pass weighs by its units' exposure (calibration, the
+    # held-out ranking: the frames' token norms give it), rows split or predicted zero; nor
     # where the layer's parameters are partitioned between calls (ZeRO-3, FSDP), which a frame
-    # references rather than holds. Below a gate that skips the backward (NOTE [ A backward
-    # of zeros ] in zero_backward.py) its nodes get no gradient and have nothing to recompute:
-    # allowed there, unlike a layer that keeps nothing. What it gives up: a microbatch whose every sequence is
-    # zero keeps its bytes here (a frame would drop them; within the budget, which priced
-    # them), and its units cannot be downgraded after its forward. Whether a layer runs so may
-    # differ between ranks (a shape met first on one of them): no collective depends on it,
-    # neither path issues one in the forward, and the backward's first reads are made at the
-    # top of the last layer either way.
+    # references rather than holds. Below a gate that skips the backward (NOTE [ A backward of
+    # zeros ] in zero_backward.py) its nodes get no gradient and have nothing to recompute:
+    # allowed there, unlike a layer that keeps nothing. What it gives up: a microbatch whose
+    # every sequence is zero keeps its bytes here (a frame would drop them; within the budget,
+    # which priced them), and its units cannot be downgraded after its forward. Whether a layer
+    # runs so may differ between ranks (a shape met first on one of them): no collective depends
+    # on it, neither path issues one in the forward, and the backward's first reads are made at
+    # the top of the last layer either way.
     def _keeps_everything(self, layer: LayerUnits, plan, mb: Microbatch, function,
                           args: tuple) -> tuple | None:
         """The shape key of a call that may run without a frame (NOTE [ A layer that keeps
         everything ]), else None."""
-        if mb.derive or mb.pass_job is not None or self._frame_wanted(None, mb) \
+        if mb.derive or mb.pass_job is not None or self._frames_wanted(mb) \
                 or any(a != "H" for a in plan.actions) \
                 or any(rows is not None for rows in plan.rows) \
                 or self._weights.partitioned(layer.module):

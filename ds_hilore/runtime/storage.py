@@ -139,10 +139,10 @@ class Stored:
 
     Whole: the tensors saved by forward are referenced as they are (bitwise exact, no copy).
     Blocks: ``parts[i]`` is a tensor copy (H; ``IN_BUFFER`` once decoded), a ``PackedRows``
-    shared by a run of sequences (L), or None (E: a stand-in). Sequence ``i`` is the element range ``spans[i]`` of the
-    storage: row blocks of ``block`` elements each for a batch-major storage (NOTE
-    [ Batch-first ]), or the token ranges of the segments of a packed row (``block`` given as
-    the tuple of spans; NOTE [ Packed sequences ] in packed.py).
+    shared by a run of sequences (L), or None (E: a stand-in). Sequence ``i`` is the element
+    range ``spans[i]`` of the storage: row blocks of ``block`` elements each for a batch-major
+    storage (NOTE [ Batch-first ]), or the token ranges of the segments of a packed row
+    (``block`` given as the tuple of spans; NOTE [ Packed sequences ] in packed.py).
     """
 
     __slots__ = ("base", "rows", "block", "spans", "group", "parts", "pending", "slots", "buffer",
