@@ -20,6 +20,7 @@ import torch
 from ds_hilore._errors import HiLoReError
 from ds_hilore.runtime import discovery
 from ds_hilore.runtime.calls import hidden_input
+from ds_hilore.runtime.memory import release_blas_buffers
 from ds_hilore.runtime.registry import register, unregister
 from ds_hilore.runtime.units import LayerUnits, eager_call, is_checkpointing_layer
 
@@ -156,6 +157,7 @@ class Installation:
         finally:
             self._probing, self._warned_cache = False, warned
             self._mb, self._step, self._n_microbatches = None, [], 0
+            release_blas_buffers()  # NOTE [ MKL's buffers ] in memory.py
         if failure:  # said once, at attach; the first training forward finds the units instead
             logger.info("ds_hilore: %s; recovery units will be found at the first training "
                         "forward.", failure)

@@ -2,7 +2,8 @@
 
 * ``in_use_bytes(device)`` -- bytes allocated now. CUDA: ``torch.cuda.memory_allocated``.
   CPU: glibc's ``mallinfo2()``, in-use = ``uordblks + hblkhd`` (heap chunks in use plus
-  mmapped chunks), which is where torch's CPU allocator gets its memory.
+  mmapped chunks), which is where torch's CPU allocator gets its memory, less the GEMM buffers
+  MKL keeps (NOTE [ MKL's buffers ]).
 * ``PeakMeter`` -- the peak of ``in_use_bytes`` over a ``with`` block, forward and backward.
 * ``PeakTracker`` -- CPU: the same reading over a window opened and closed by calls (from a
   forward to past its backward), which can freeze its peak, pause, and leave bytes out
@@ -12,6 +13,8 @@
 * ``live_storage_bytes(tensors)`` -- exact bytes held by a set of tensors (shared storage once).
 * ``LiveStorages`` -- storages allocated by aten ops inside a ``with`` block; ``live_bytes()``
   counts those still alive, exactly (no allocator noise): what a method *retains*.
+* ``release_blas_buffers()`` -- hands back the GEMM buffers MKL keeps; CPU readings leave them
+  out (NOTE [ MKL's buffers ]).
 
 Example::
 
@@ -38,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ds_hilore._errors import HiLoReError, bug
 
 __all__ = ["DevicePeak", "LiveStorages", "PeakMeter", "PeakTracker", "in_use_bytes",
-           "live_storage_bytes"]
+           "live_storage_bytes", "mkl_buffer_bytes", "release_blas_buffers"]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -83,7 +86,71 @@ def in_use_bytes(device=None) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     info = _mallinfo2()()
-    return info.uordblks + info.hblkhd  # bytes in heap chunks in use + in mmapped chunks
+    # bytes in heap chunks in use + in mmapped chunks, less MKL's buffers (NOTE [ MKL's buffers ])
+    return info.uordblks + info.hblkhd - mkl_buffer_bytes()
+
+
+# NOTE [ MKL's buffers ]
+# MKL, which torch's x86 CPU builds link, keeps the buffers a GEMM copies its operands into,
+# per thread, from the first GEMM that copies until the process ends or they are freed (4-15
+# MiB measured). Whether a GEMM copies is MKL's choice, by shape and by where its operands
+# lie in memory, so whether a process holds them, and from which op on, is chance: the
+# attach-time probe's 16-row GEMMs left 8.4 MiB in each rank of the demo, which the same
+# script without HiLoRe never held, and a relative budget read in that process (a multiple of
+# GC's peak) was that much above the user's GC run: peaks of 1.122x its GC run's at
+# memory_budget 1.10, 1.050x with them left out. In the tests, buffers that appeared in one
+# window and not in another moved a reading by up to 15 MiB. So CPU readings leave out what
+# MKL's allocator says it holds (``mkl_serv_mem_stat``, behind MKL's ``mkl_mem_stat``), as
+# CUDA's allocated bytes leave out the caching allocator's reserve: a cache of the library's,
+# bounded per thread, not the training's memory. And the probe's buffers are handed back
+# after it (``mkl_serv_free_buffers``, behind ``mkl_free_buffers``; on the training thread
+# with no GEMM running, as MKL asks), so the process does not hold them for HiLoRe's sake.
+# Both functions are exported by torch's CPU library where it links MKL; elsewhere nothing is
+# left out or freed.
+class _Mkl:
+    """MKL's memory functions in torch's CPU library (NOTE [ MKL's buffers ])."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._free, self._stat = library.mkl_serv_free_buffers, library.mkl_serv_mem_stat
+        self._free.restype, self._free.argtypes = None, []
+        self._stat.restype, self._stat.argtypes = ctypes.c_int64, [ctypes.POINTER(ctypes.c_int)]
+        self._count = ctypes.c_int(0)
+        self._count_ref = ctypes.byref(self._count)
+
+    def held_bytes(self) -> int:
+        return max(0, int(self._stat(self._count_ref)))
+
+    def free(self) -> None:
+        self._free()
+
+
+@functools.cache
+def _mkl() -> _Mkl | None:
+    """MKL's memory functions, or None where torch links no MKL."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        return _Mkl(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                             "libtorch_cpu.so")))
+    except (OSError, AttributeError):
+        return None
+
+
+def mkl_buffer_bytes() -> int:
+    """Bytes MKL's allocator holds now (its GEMM buffers), 0 without MKL (NOTE [ MKL's
+    buffers ])."""
+    mkl = _mkl()
+    return 0 if mkl is None else mkl.held_bytes()
+
+
+def release_blas_buffers() -> bool:
+    """Free the buffers MKL keeps (NOTE [ MKL's buffers ]); whether this torch links an MKL to
+    ask. Call with no GEMM running in any thread."""
+    mkl = _mkl()
+    if mkl is None:
+        return False
+    mkl.free()
+    return True
 
 
 def live_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
