@@ -13,6 +13,8 @@ from models import one_torch_thread, tiny_model
 
 import ds_hilore
 from ds_hilore.runtime.memory import (
+    PeakMeter,
+    PeakTracker,
     _mallinfo2,
     in_use_bytes,
     mkl_buffer_bytes,
@@ -58,6 +60,37 @@ def test_mkl_buffers_are_left_out_of_a_cpu_reading_and_handed_back_on_release():
     release_blas_buffers()
     assert mkl_buffer_bytes() == 0
     assert _malloc_in_use() - malloc_before < MiB // 4  # handed back, not only left out
+
+
+def test_op_level_meters_leave_out_the_buffers_mkl_held_as_their_window_opened():
+    """``PeakMeter`` and ``PeakTracker`` read after every op; MKL's count is taken at their
+    window's start and again as the heap grows, not at every reading."""
+    _gemms_until_mkl_holds_buffers()
+    assert mkl_buffer_bytes() >= MiB
+    x = torch.ones(MiB // 4)  # 1 MiB
+    before_meter = in_use_bytes("cpu")
+    with PeakMeter("cpu") as meter:
+        y = x + 1  # 1 MiB more, read after the op
+    before_tracker = in_use_bytes("cpu")
+    tracker = PeakTracker("cpu")
+    assert tracker.open()
+    z = x * 2
+    tracker.close()
+    for before, start, peak in ((before_meter, meter.start_bytes, meter.peak_bytes),
+                                (before_tracker, tracker.start_bytes, tracker.peak_bytes)):
+        assert abs(start - before) < MiB // 4  # MKL's buffers left out, as in_use_bytes does
+        assert MiB - MiB // 8 <= peak - start < 2 * MiB
+    del y, z
+
+
+def test_buffers_mkl_allocates_inside_a_window_are_left_out_as_soon_as_the_heap_grows():
+    release_blas_buffers()
+    with PeakMeter("cpu") as meter:
+        _gemms_until_mkl_holds_buffers()  # 4 MiB or more appear inside the window
+        kept = torch.ones(MiB // 2)  # 2 MiB, read after the op
+        now = meter.sample()
+        assert abs(now - in_use_bytes("cpu")) < MiB + MiB // 4  # within the recount's 1 MiB
+    del kept
 
 
 def test_attach_hands_back_the_buffers_of_its_probe():

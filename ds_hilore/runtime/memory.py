@@ -85,9 +85,13 @@ def in_use_bytes(device=None) -> int:
     device = _device(device)
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
+    return _heap_in_use() - mkl_buffer_bytes()  # NOTE [ MKL's buffers ]
+
+
+def _heap_in_use() -> int:
+    """CPU: bytes in heap chunks in use plus in mmapped chunks, MKL's buffers included."""
     info = _mallinfo2()()
-    # bytes in heap chunks in use + in mmapped chunks, less MKL's buffers (NOTE [ MKL's buffers ])
-    return info.uordblks + info.hblkhd - mkl_buffer_bytes()
+    return info.uordblks + info.hblkhd
 
 
 # NOTE [ MKL's buffers ]
@@ -95,18 +99,38 @@ def in_use_bytes(device=None) -> int:
 # per thread, from the first GEMM that copies until the process ends or they are freed (4-15
 # MiB measured). Whether a GEMM copies is MKL's choice, by shape and by where its operands
 # lie in memory, so whether a process holds them, and from which op on, is chance: the
-# attach-time probe's 16-row GEMMs left 8.4 MiB in each rank of the demo, which the same
-# script without HiLoRe never held, and a relative budget read in that process (a multiple of
-# GC's peak) was that much above the user's GC run: peaks of 1.122x its GC run's at
-# memory_budget 1.10, 1.050x with them left out. In the tests, buffers that appeared in one
-# window and not in another moved a reading by up to 15 MiB. So CPU readings leave out what
+# attach-time probe's 16-row GEMMs left 8.4 MiB in each rank of the demo, which that run's GC
+# never held, and a relative budget read in that process (a multiple of GC's peak) was that
+# much above the user's GC run: peaks of 1.122x its GC run's at memory_budget 1.10 (1.04x
+# with them left out; in the next run GC's own ranks held 9 MiB of them). In the tests,
+# buffers that appeared in one window and not in another moved a reading by up to 15 MiB.
+# So CPU readings leave out what
 # MKL's allocator says it holds (``mkl_serv_mem_stat``, behind MKL's ``mkl_mem_stat``), as
 # CUDA's allocated bytes leave out the caching allocator's reserve: a cache of the library's,
 # bounded per thread, not the training's memory. And the probe's buffers are handed back
 # after it (``mkl_serv_free_buffers``, behind ``mkl_free_buffers``; on the training thread
 # with no GEMM running, as MKL asks), so the process does not hold them for HiLoRe's sake.
 # Both functions are exported by torch's CPU library where it links MKL; elsewhere nothing is
-# left out or freed.
+# left out or freed. MKL's count costs 13 us a call (a ``mallinfo2`` 2 us), so the readings
+# taken after every op (``PeakMeter``, ``PeakTracker``: ``_LessMkl``) count again only when the
+# heap has grown 1 MiB above where it was last counted: a buffer MKL allocates (4 MiB or more)
+# is counted before any reading above the last count's heap, so a window's peak is at most 1 MiB
+# high, never low, and a microbatch counts a few hundred times, not at every op.
+class _LessMkl:
+    """CPU readings, MKL's buffers left out, its count taken again only as the heap grows."""
+
+    def __init__(self):
+        self.heap = _heap_in_use()
+        self.mkl = mkl_buffer_bytes()
+
+    def __call__(self) -> int:
+        heap = _heap_in_use()
+        if heap > self.heap + _MKL_RECOUNT_BYTES:
+            self.heap, self.mkl = heap, mkl_buffer_bytes()
+        return heap - self.mkl
+
+
+_MKL_RECOUNT_BYTES = 1 << 20  # NOTE [ MKL's buffers ]
 class _Mkl:
     """MKL's memory functions in torch's CPU library (NOTE [ MKL's buffers ])."""
 
@@ -239,6 +263,7 @@ class PeakMeter:
         self.peak_bytes = 0
         self.end_bytes = 0
         self.samples = 0
+        self._reading: _LessMkl | None = None  # CPU (NOTE [ MKL's buffers ])
         self._mode: _SampleAfterEachOp | None = None
 
     @property
@@ -248,10 +273,11 @@ class PeakMeter:
 
     def sample(self) -> int:
         """Read memory now, fold it into the peak, and return the bytes in use."""
-        now = in_use_bytes(self.device)
-        peak = now
         if self.device.type == "cuda":
+            now = in_use_bytes(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
+        else:  # NOTE [ MKL's buffers ]
+            now = peak = self._reading()
         self.peak_bytes = max(self.peak_bytes, peak)
         self.samples += 1
         return now
@@ -265,6 +291,7 @@ class PeakMeter:
             _ACTIVE_CUDA_METERS.append(self)
         if self.device.type == "cpu":
             _warm_up_dispatch_modes()
+            self._reading = _LessMkl()
         self.samples = 0
         self.start_bytes = self.peak_bytes = in_use_bytes(self.device)
         if self.device.type == "cpu":
@@ -401,6 +428,7 @@ class PeakTracker:
         self.spent_s = 0.0
         self.frozen = False
         self.excluded = 0  # bytes left out of every reading
+        self._reading: _LessMkl | None = None  # NOTE [ MKL's buffers ]
         self.phase = None
         self.phase_peaks: dict = {}
         self._paused = 0
@@ -420,7 +448,8 @@ class PeakTracker:
         for other in [t for t in _OPEN if t.frozen and t._thread == self._thread]:
             other.close()  # its reading is over: nothing needs its mode
         _warm_up_dispatch_modes()
-        self.start_bytes = self.peak_bytes = self.bound_bytes = in_use_bytes(self.device)
+        self._reading = _LessMkl()  # NOTE [ MKL's buffers ]
+        self.start_bytes = self.peak_bytes = self.bound_bytes = self._reading()
         self.samples, self.spent_s, self.frozen, self.excluded = 0, 0.0, False, 0
         self.restored = 0
         self.phase, self.phase_peaks = None, {None: self.start_bytes}
@@ -433,7 +462,7 @@ class PeakTracker:
         if self._paused or self.frozen:
             return
         begin = time.perf_counter()
-        reading = in_use_bytes(self.device) - self.excluded
+        reading = self._reading() - self.excluded
         self.peak_bytes = max(self.peak_bytes, reading)
         if not self._bound_paused:
             self.bound_bytes = max(self.bound_bytes, reading + self.restored)
