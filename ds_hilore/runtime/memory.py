@@ -104,33 +104,18 @@ def _heap_in_use() -> int:
 # much above the user's GC run: peaks of 1.122x its GC run's at memory_budget 1.10 (1.04x
 # with them left out; in the next run GC's own ranks held 9 MiB of them). In the tests,
 # buffers that appeared in one window and not in another moved a reading by up to 15 MiB.
-# So CPU readings leave out what
-# MKL's allocator says it holds (``mkl_serv_mem_stat``, behind MKL's ``mkl_mem_stat``), as
-# CUDA's allocated bytes leave out the caching allocator's reserve: a cache of the library's,
-# bounded per thread, not the training's memory. And the probe's buffers are handed back
-# after it (``mkl_serv_free_buffers``, behind ``mkl_free_buffers``; on the training thread
-# with no GEMM running, as MKL asks), so the process does not hold them for HiLoRe's sake.
-# Both functions are exported by torch's CPU library where it links MKL; elsewhere nothing is
-# left out or freed. MKL's count costs 13 us a call (a ``mallinfo2`` 2 us), so the readings
-# taken after every op (``PeakMeter``, ``PeakTracker``: ``_LessMkl``) count again only when the
-# heap has grown 1 MiB above where it was last counted: a buffer MKL allocates (4 MiB or more)
-# is counted before any reading above the last count's heap, so a window's peak is at most 1 MiB
-# high, never low, and a microbatch counts a few hundred times, not at every op.
-class _LessMkl:
-    """CPU readings, MKL's buffers left out, its count taken again only as the heap grows."""
-
-    def __init__(self):
-        self.heap = _heap_in_use()
-        self.mkl = mkl_buffer_bytes()
-
-    def __call__(self) -> int:
-        heap = _heap_in_use()
-        if heap > self.heap + _MKL_RECOUNT_BYTES:
-            self.heap, self.mkl = heap, mkl_buffer_bytes()
-        return heap - self.mkl
-
-
-_MKL_RECOUNT_BYTES = 1 << 20  # NOTE [ MKL's buffers ]
+# So CPU readings leave out what MKL's allocator says it holds (``mkl_serv_mem_stat``, behind
+# MKL's ``mkl_mem_stat``), as CUDA's allocated bytes leave out the caching allocator's
+# reserve: a cache of the library's, bounded per thread, not the training's memory. And the
+# probe's buffers are handed back after it (``mkl_serv_free_buffers``, behind
+# ``mkl_free_buffers``; on the training thread with no GEMM running, as MKL asks), so the
+# process does not hold them for HiLoRe's sake. Both functions are exported by torch's CPU
+# library where it links MKL; elsewhere nothing is left out or freed. MKL's count costs 13 us
+# a call (a ``mallinfo2`` 2 us), so the readings taken after every op (``PeakMeter``,
+# ``PeakTracker``: ``_LessMkl``) count again only when the heap has grown 1 MiB above where it
+# was last counted: a buffer MKL allocates (4 MiB or more) is counted before any reading above
+# the last count's heap, so a window's peak is at most 1 MiB high, never low, and a microbatch
+# counts a few hundred times, not at every op.
 class _Mkl:
     """MKL's memory functions in torch's CPU library (NOTE [ MKL's buffers ])."""
 
@@ -175,6 +160,23 @@ def release_blas_buffers() -> bool:
         return False
     mkl.free()
     return True
+
+
+_MKL_RECOUNT_BYTES = 1 << 20  # NOTE [ MKL's buffers ]
+
+
+class _LessMkl:
+    """CPU readings, MKL's buffers left out, its count taken again only as the heap grows."""
+
+    def __init__(self):
+        self.heap = _heap_in_use()
+        self.mkl = mkl_buffer_bytes()
+
+    def __call__(self) -> int:
+        heap = _heap_in_use()
+        if heap > self.heap + _MKL_RECOUNT_BYTES:
+            self.heap, self.mkl = heap, mkl_buffer_bytes()
+        return heap - self.mkl
 
 
 def live_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -277,7 +279,7 @@ class PeakMeter:
             now = in_use_bytes(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:  # NOTE [ MKL's buffers ]
-            now = peak = self._reading()
+            now = peak = self._reading() if self._reading is not None else in_use_bytes(self.device)
         self.peak_bytes = max(self.peak_bytes, peak)
         self.samples += 1
         return now
