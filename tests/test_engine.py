@@ -493,11 +493,13 @@ def test_collective_agrees_host_values_over_a_gloo_group_where_the_backend_is_no
 
     make(ds_config(enabled=False))  # makes sure the process group exists
     made, reduced = [], []
-    new_group, all_reduce = dist.new_group, dist.all_reduce
+    new_group, all_reduce, all_gather = dist.new_group, dist.all_reduce, dist.all_gather
     monkeypatch.setattr(collective_mod.dist, "new_group", lambda ranks=None, backend=None: (
         made.append(backend), new_group(backend="gloo"))[1])
     monkeypatch.setattr(collective_mod.dist, "all_reduce", lambda tensor, op=None, group=None: (
         reduced.append((tensor.device.type, group)), all_reduce(tensor, op=op, group=group))[1])
+    monkeypatch.setattr(collective_mod.dist, "all_gather", lambda parts, tensor, group=None: (
+        reduced.append((tensor.device.type, group)), all_gather(parts, tensor, group=group))[1])
     with monkeypatch.context() as nccl:
         nccl.setattr(collective_mod.dist, "get_backend", lambda group=None: "nccl")
         collective = collective_mod.TorchDistCollective()

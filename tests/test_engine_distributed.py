@@ -167,6 +167,8 @@ def test_collective_on_two_ranks(under_mpirun):
         assert checked["broadcast"] == ["H", "L", "R"]  # rank 0's vector, on rank 1 too
         assert checked["max"] == [1, 2**40]
         assert checked["sum"] == [1.0, 0.5]
+        assert checked["ordered"] == [0.1 + 0.2, 1e16 + 1.0]  # the same bits on both ranks
+        assert checked["long"] == [1.0] * 2000
         assert case_result(rank, "zero2_hilore:full:R")["collective_class"] == "TorchDistCollective"
 
 

@@ -408,3 +408,57 @@ def test_per_saved_tensor_work_is_looked_up_on_a_steady_microbatch(monkeypatch):
     assert meta_runs == []
     reads_of_layer_params = [p for p in storage_reads if p in params]
     assert 0 < len(reads_of_layer_params) <= len(params)  # one address map per layer
+
+
+# ---- NOTE [ Leaf hooks, when a cast needs them ] (runtime/install.py) ----------------------
+def _hooked_leaves(model) -> int:
+    return sum(1 for m in model.modules() if m._forward_pre_hooks or m._forward_hooks
+               if next(m.children(), None) is None)
+
+
+def test_leaf_hooks_only_where_a_layer_may_save_a_cast_of_a_frozen_weight():
+    """An fp32 LoRA model run without autocast saves no cast of a frozen weight: no leaf module
+    is hooked, and its calls stay on torch's fast path; the first step under bf16 autocast hooks
+    them before its layers run, so its casts are matched through the leaf (a proof each),
+    and gradients are autograd's."""
+    model = with_lora(tiny_model("llama", layers=2))
+    inputs = batch()
+    ref_loss, ref = loss_and_grads(model, inputs)
+    ref_cast_loss, ref_cast = loss_and_grads(model, inputs, autocast=torch.bfloat16)
+    runtime = ds_hilore.attach(model, {"low_precision": "none", "force_plan": "H"})
+    loss, grads = loss_and_grads(model, inputs)
+    assert _hooked_leaves(model) == 0 and runtime._weights.wants_leaf is not None
+    assert torch.equal(loss, ref_loss) and all(torch.equal(ref[n], grads[n]) for n in ref)
+    proofs = []
+    recognize = runtime._weights._frozen_cast
+
+    def counted(t, base, params):
+        found = recognize(t, base, params)
+        if found is not None:
+            proofs.append(found.proof is not None)
+        return found
+
+    runtime._weights._frozen_cast = counted
+    loss, grads = loss_and_grads(model, inputs, autocast=torch.bfloat16)
+    leaves = [m for layer in runtime._layers for m in layer.module.modules()
+              if next(m.children(), None) is None and next(m.parameters(False), None) is not None]
+    assert _hooked_leaves(model) == len(leaves) > 0 and runtime._weights.wants_leaf is None
+    assert proofs and all(proofs)  # every cast named by its leaf, none by a full comparison
+    assert torch.equal(loss, ref_cast_loss) and all(torch.equal(ref_cast[n], grads[n]) for n in ref_cast)
+    runtime.detach()
+    assert _hooked_leaves(model) == 0
+
+
+def test_a_cast_seen_without_leaf_hooks_hooks_the_leaves():
+    """A cast of a frozen weight the layer makes in its own code, in an fp32 model without
+    autocast, is matched by the full comparison and hooks the leaves for the casts after it."""
+    model = with_lora(tiny_model("llama", layers=2))
+    runtime = ds_hilore.attach(model, {"low_precision": "none", "force_plan": "H"})
+    layer = runtime._layers[0].module
+    weight = next(p for p in layer.parameters() if not p.requires_grad and p.dim() == 2)
+    cast = weight.detach().to(torch.bfloat16)
+    assert _hooked_leaves(model) == 0
+    found = runtime._weights(cast, layer)
+    assert found is not None and found.param is weight and found.proof is None
+    assert _hooked_leaves(model) > 0 and runtime._weights.wants_leaf is None
+    runtime.detach()

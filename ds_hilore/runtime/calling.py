@@ -71,6 +71,8 @@ class LayerCalls:
     def _run_layer(self, layer: LayerUnits, function, args: tuple):
         if not torch.is_grad_enabled():
             return function(*args)
+        if self._weights.wants_leaf is not None and self._leaf_hooks_due(args, function):
+            self._weights.wants_leaf()  # NOTE [ Leaf hooks, when a cast needs them ] (install.py)
         function, args = self._without_cache(layer, function, args)
         if layer.split is None:
             return self._discover(layer, function, args)
@@ -80,6 +82,17 @@ class LayerCalls:
         if mb.split is not None:
             return self._run_split(layer, mb, function, args)
         return self._run_frame(layer, mb, function, args)
+
+    def _leaf_hooks_due(self, args: tuple, function) -> bool:
+        """Whether this layer call may save a cast of a frozen weight: autocast on for its
+        device, or a layer holding a floating weight other than fp32."""
+        if self._not_fp32 is None:
+            self._not_fp32 = any(p.is_floating_point() and p.dtype != torch.float32
+                                 for layer in self._layers for p in layer.module.parameters())
+        if self._not_fp32:
+            return True
+        device = hidden_input(args, getattr(function, "keywords", None) or {}).device.type
+        return torch.is_autocast_enabled(device)
 
     def _run_frame(self, layer: LayerUnits, mb: Microbatch, function, args: tuple):
         """The layer's call through its frame (bundle.py), the gate and hooks on its output."""

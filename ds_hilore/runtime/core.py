@@ -120,6 +120,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         refuse_unsupported_wrappers(model)  # NOTE [ Data parallel wrappers ] in install.py
         self._layers = find_layers(model, config)
         self._weights = WeightRecognizer(layer.module for layer in self._layers)
+        self._not_fp32: bool | None = None  # a layer holds a non-fp32 weight (_leaf_hooks_due)
         self._codec = codec_from_config(config)  # None for low_precision "none"
         self._plan_source: Mapping[str, str] | str = "R"  # until the allocator decides: as GC
         self._probing = False

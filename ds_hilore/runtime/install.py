@@ -83,6 +83,7 @@ class Installation:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._weights.wants_leaf = None
         if self._last_toggle is not None:  # the user's last switch holds for HF checkpointing
             original, enable, every_n_layers, kwargs = self._last_toggle
             original(enable=enable, every_n_layers=every_n_layers, **kwargs)
@@ -115,14 +116,31 @@ class Installation:
         self._hooks.append(self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True))
         # always_call: a forward that raises ends too (its output None), so nothing of it lingers
         self._hooks.append(self.model.register_forward_hook(self._end_forward, always_call=True))
-        # the leaf module running names the weight an autocast cast comes from (weights.py)
+        self._weights.wants_leaf = self._hook_leaves  # NOTE [ Leaf hooks, when a cast needs them ]
+        self.attached = True
+        register(self)
+
+    # NOTE [ Leaf hooks, when a cast needs them ]
+    # A saved tensor that may be a cast of a frozen weight (autocast's low-precision copy of a
+    # LoRA base weight, a norm's ``weight.float()`` in a bf16 model) is matched to the weight
+    # through the leaf module running at that moment (``WeightRecognizer._frozen_cast``), which
+    # hooks on every leaf module of the layers tell. Those hooks take each leaf's call off
+    # torch's fast path -- two Python calls per leaf per forward and recompute, a few dozen a
+    # layer -- and an fp32 model run without autocast saves no such cast. So they are
+    # registered before the first layer call that may save one: autocast on for the layer's
+    # device, or a layer holding a floating weight other than fp32 (``_leaf_hooks_due`` in
+    # calling.py). A cast seen without them (an fp32 model casting a frozen weight in its own
+    # code) registers them too (``wants_leaf``): that one tensor is matched by the full
+    # comparison the recogniser makes without a leaf, every later one by its leaf.
+    def _hook_leaves(self) -> None:
+        if self._weights.wants_leaf is None:  # registered already
+            return
+        self._weights.wants_leaf = None
         for layer in self._layers:
             for leaf in layer.module.modules():
                 if next(leaf.children(), None) is None and next(leaf.parameters(False), None) is not None:
                     self._hooks.append(leaf.register_forward_pre_hook(self._enter_leaf))
                     self._hooks.append(leaf.register_forward_hook(self._leave_leaf))
-        self.attached = True
-        register(self)
 
     def _enter_leaf(self, module, args) -> None:
         self._weights.leaf = module

@@ -53,6 +53,9 @@ class WeightRecognizer:
                         if any(is_traceable_wrapper_subclass(p) for p in params)}
         self._casts: dict[int, tuple[StorageWeakRef, nn.Parameter]] = {}  # storage ptr -> param
         self.leaf: nn.Module | None = None  # the leaf module running now (the runtime's hooks)
+        # called once, at the first tensor that may be a frozen weight's cast: the runtime's leaf
+        # hooks go on (NOTE [ Leaf hooks, when a cast needs them ] in install.py)
+        self.wants_leaf = None
         self._ptrs: dict[int, tuple[int, dict[int, nn.Parameter]]] = {}  # NOTE [ Aliases, by address ]
         self._frozen: dict[int, set] = {}  # id(params) -> (shape, dtype) of its frozen parameters
 
@@ -131,6 +134,8 @@ class WeightRecognizer:
                 if not p.requires_grad}
         if not any(shape == tuple(base.shape) and dtype != base.dtype for shape, dtype in kinds):
             return None
+        if self.wants_leaf is not None:  # the next leaf calls name their weights
+            self.wants_leaf()
         ptr = base.untyped_storage().data_ptr()
         hit = self._casts.get(ptr)
         if hit is not None:
