@@ -306,3 +306,30 @@ def test_a_bucket_run_as_gc_splits_rows_all_r_on_every_rank(gc_fallback, stage):
         assert got["as_gc"][-4:] == [False] * 4  # the rows split: not run as GC, all R
         assert got["losses"] == ref["losses"]
         assert got["param_sha"] == ref["param_sha"]
+
+
+def test_a_verdict_for_gc_is_confirmed_by_as_many_rounds_again():
+    """NOTE [ GC's verdict, confirmed ]: GC no slower in both rounds queues two more rounds of
+    the plan against GC; a plan faster in one of them keeps the plan, GC no slower in all four
+    sends the bucket to GC. Once: a second call queues nothing."""
+    def timed(gc_seconds: list[float]) -> LeaveOneOut:
+        loo = LeaveOneOut([0], repeats=2, gc=True)
+        while not loo.done:
+            variant = loo.next_variant()
+            loo.record(variant, {LeaveOneOut.WARM_UP: 9.0, None: 1.0, 0: 1.2}.get(variant, 0.0)
+                       if variant != LeaveOneOut.GC else gc_seconds.pop(0))
+        return loo
+
+    for later, verdict in (([1.1, 0.9], False), ([0.9, 1.0], True)):
+        loo = timed([0.9, 1.0])
+        assert loo.gc_not_slower() and loo.confirm_gc(2) and not loo.done
+        order = []
+        while not loo.done:
+            order.append(loo.next_variant())
+            loo.record(order[-1], 1.0 if order[-1] is None else later[len(order) // 2 - 1])
+        assert order == [None, LeaveOneOut.GC, None, LeaveOneOut.GC]
+        assert loo.times[LeaveOneOut.GC] == [0.9, 1.0, *later]
+        assert loo.gc_not_slower() == verdict and not loo.confirm_gc(2)
+        assert loo.utilities() == pytest.approx({0: 0.2})  # the layers' verdict: their rounds
+    assert not timed([1.1, 1.1]).confirm_gc(0)  # no rounds asked: nothing queued
+    assert not LeaveOneOut([0], repeats=2).confirm_gc(2)  # GC not timed: nothing to confirm

@@ -448,10 +448,13 @@ class Scheduler:
             bucket.validated = True  # nothing to validate
 
     def _finish_loo(self, bucket: Bucket) -> None:
-        loo, bucket.loo = bucket.loo, None
+        loo = bucket.loo
         collective = self.runtime.collective
         if collective is not None:  # every rank decides from the same timings
             loo.set_flat(collective.all_reduce_max_float(loo.flat()))
+        if loo.gc_not_slower() and loo.confirm_gc(self.config.plan_validation_microbatches):
+            return  # NOTE [ GC's verdict, confirmed ] in validate.py: more rounds first
+        bucket.loo = None
         bucket.loo_utilities, bucket.validated = loo.utilities(), True
         bucket.gc_faster = loo.gc_not_slower()
         if bucket.gc_faster:  # NOTE [ Never slower than GC ] in validate.py, said once a bucket

@@ -53,6 +53,7 @@ class LeaveOneOut:
         self.queue: list = [self.WARM_UP, *(v for _ in range(repeats) for v in variants)]
         self.times: dict[int | None, list[float]] = {v: [] for v in variants}
         self.current = None
+        self.confirming = False  # GC's verdict is being confirmed (``confirm_gc``)
 
     @property
     def done(self) -> bool:
@@ -103,6 +104,23 @@ class LeaveOneOut:
         GC's fastest run alone far more often than in both rounds. A bucket whose plan keeps
         nothing runs so without being timed."""
         return self.GC in self.times and self._every_round(self.GC)
+
+    def confirm_gc(self, rounds: int) -> bool:
+        """NOTE [ GC's verdict, confirmed ]
+        Running a shape as GC gives up every gain the plan would have made on it for the rest of
+        the run, on the say of a few microbatches. With two rounds on a 2-core machine whose
+        step times move by 10-20 % from one step to the next, a plan measured 7-10 % faster
+        than GC step by step was still sent to GC now and then (seen in a 10-step run on
+        ``paper-cpu``: the shape ran as GC from step 9). So a first verdict for GC is put to
+        ``rounds`` more rounds of the plan against GC alone (the layers' variants have had
+        theirs) before it holds: GC must again be no slower in every round, now of twice as
+        many. A false verdict needs every one of them to go wrong; a true one costs ``rounds``
+        microbatches of the plan. Once per bucket; True when the rounds were queued."""
+        if self.confirming or rounds <= 0 or self.GC not in self.times:
+            return False
+        self.confirming = True
+        self.queue += [v for _ in range(rounds) for v in (None, self.GC)]
+        return True
 
     def noise(self, layer: int) -> float:
         """Half the mean range of the plan's and the layer variant's timings (seconds)."""
