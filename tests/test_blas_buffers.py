@@ -38,14 +38,16 @@ def _malloc_in_use() -> int:
 
 
 def _gemms_until_mkl_holds_buffers() -> None:
-    """GEMMs of a few shapes until MKL holds buffers (it packs some of them on every CPU
-    measured; which ones is its choice)."""
+    """GEMMs of a few shapes until MKL holds a MiB of buffers or more (it packs some of them on
+    every CPU measured; which ones, and how much it keeps, is its choice: 0.4 MiB after the
+    small ones in a process where other tests had run GEMMs, MiBs after the largest)."""
     for m, k, n in [(256, 256, 256), (64, 128, 128), (16, 128, 512), (512, 512, 512)]:
         for _ in range(4):
             torch.addmm(torch.randn(n), torch.randn(m, k), torch.randn(k, n))
-            if mkl_buffer_bytes() > 0:
+            if mkl_buffer_bytes() >= MiB:
                 return
-    pytest.skip("MKL packed none of these GEMMs on this CPU: no buffers to leave out")
+    if mkl_buffer_bytes() == 0:
+        pytest.skip("MKL packed none of these GEMMs on this CPU: no buffers to leave out")
 
 
 def test_mkl_buffers_are_left_out_of_a_cpu_reading_and_handed_back_on_release():
@@ -54,19 +56,22 @@ def test_mkl_buffers_are_left_out_of_a_cpu_reading_and_handed_back_on_release():
     malloc_before, before = _malloc_in_use(), in_use_bytes("cpu")
     _gemms_until_mkl_holds_buffers()
     held = mkl_buffer_bytes()
-    assert held >= MiB  # MKL's GEMM buffers are MiBs
-    assert _malloc_in_use() - malloc_before >= held - MiB // 4  # malloc'd: glibc counts them
-    assert abs(in_use_bytes("cpu") - before) < MiB // 4  # the reading does not
+    slack = min(MiB // 4, held // 2)  # what the heap moves by besides MKL's buffers
+    assert held > 0
+    assert _malloc_in_use() - malloc_before >= held - slack  # malloc'd: glibc counts them
+    assert abs(in_use_bytes("cpu") - before) < slack  # the reading does not
     release_blas_buffers()
     assert mkl_buffer_bytes() == 0
-    assert _malloc_in_use() - malloc_before < MiB // 4  # handed back, not only left out
+    assert _malloc_in_use() - malloc_before < slack  # handed back, not only left out
 
 
 def test_op_level_meters_leave_out_the_buffers_mkl_held_as_their_window_opened():
     """``PeakMeter`` and ``PeakTracker`` read after every op; MKL's count is taken at their
     window's start and again as the heap grows, not at every reading."""
     _gemms_until_mkl_holds_buffers()
-    assert mkl_buffer_bytes() >= MiB
+    if mkl_buffer_bytes() <= MiB // 4:  # a reading that held them must be off by more than that
+        pytest.skip("MKL keeps a quarter MiB of buffers or less here: too little to tell a "
+                    "reading that holds them from one that does not")
     x = torch.ones(MiB // 4)  # 1 MiB
     before_meter = in_use_bytes("cpu")
     with PeakMeter("cpu") as meter:
