@@ -510,6 +510,32 @@ def test_collective_agrees_host_values_over_a_gloo_group_where_the_backend_is_no
     assert reduced == [("cpu", collective.host_group)] * 2 and made == ["gloo"]
 
 
+def test_host_sums_are_added_rank_by_rank(monkeypatch):
+    """NOTE [ Host values gathered ]: a gathered sum adds the ranks' values in rank order, one
+    addition at a time, whatever the reduction kernels would do with the (world, n) table:
+    (1e16 + 1) + 1 is 1e16 in float64, 1e16 + (1 + 1) is not (torch's sum over the rows of
+    a table of five or more gives the latter). Six ranks' values, as the all-gather fills the
+    table on every rank."""
+    import torch.distributed as dist
+
+    from ds_hilore.runtime import collective as collective_mod
+
+    make(ds_config(enabled=False))  # makes sure the process group exists
+    collective = collective_mod.TorchDistCollective()
+    table = [[1e16, 0.1, -2.0], [1.0, 0.2, 3.0], [1.0, 0.3, -1.0], [1.0, 0.7, 0.25],
+             [1.0, 0.9, 1.5], [-1e16, 0.4, 0.5]]
+    monkeypatch.setattr(collective, "world_size", len(table))
+    monkeypatch.setattr(collective_mod.dist, "all_gather", lambda parts, tensor, group=None: [
+        part.copy_(torch.tensor(row, dtype=part.dtype)) for part, row in zip(parts, table)])
+    expected = [0.0] * 3
+    for row in table:
+        expected = [a + b for a, b in zip(expected, row)]
+    assert expected[0] == 0.0  # the four ones were lost, in rank order
+    assert collective.all_reduce_sum([0.0] * 3) == expected
+    assert collective.all_reduce_max_float([0.0] * 3) == [1e16, 0.9, 3.0]
+    assert dist.get_world_size() == 1  # nothing left the process
+
+
 def test_collective_on_one_rank():
     make(ds_config(enabled=False))  # makes sure the process group exists
     collective = engine_mod.TorchDistCollective()

@@ -12,6 +12,8 @@ Times are never asserted: the plans are made on fixed profile times where a choi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from models import VOCAB, equal_utilities, one_torch_thread, planner_model, tiny_model
@@ -249,6 +251,7 @@ def test_a_bucket_no_faster_than_gc_runs_as_gc_with_gcs_gradients(monkeypatch):
         assert bucket.gc_faster and any(a != "R" for a in bucket.plan.actions.values())
         got, expected = _gc_grads(model, 32, 99), _gc_grads(reference, 32, 99)
         runtime.end_step()
+        state = json.loads(json.dumps(runtime.state_dict()))  # a checkpoint's round trip
     finally:
         runtime.detach()
     assert sorted(got) == sorted(expected)
@@ -256,6 +259,21 @@ def test_a_bucket_no_faster_than_gc_runs_as_gc_with_gcs_gradients(monkeypatch):
     last = runtime.stats["microbatches"][-1]
     assert last["actions"] == {"H": 0, "L": 0, "R": 4, "E": 0} and last["exact_zero_sequences"] == 0
     assert runtime.stats["warm_up"] == {}
+    # resumed, the shape still runs as GC: nothing profiled or timed again, GC's gradients
+    monkeypatch.undo()
+    resumed = tiny_model("qwen2", layers=2, hidden=64, intermediate=128)
+    runtime = ds_hilore.attach(resumed, dict(CONFIG, profile_microbatches=1))
+    try:
+        runtime.load_state_dict(state)
+        bucket = runtime.policy.buckets[(B, 32)]
+        assert bucket.gc_faster and bucket.validated and bucket.loo is None
+        got = _gc_grads(resumed, 32, 99)
+        runtime.end_step()
+    finally:
+        runtime.detach()
+    assert [n for n in got if not torch.equal(got[n], expected[n])] == []
+    assert runtime.stats["microbatches"][-1]["actions"] == {"H": 0, "L": 0, "R": 4, "E": 0}
+    assert not {"profiling", "leave-one-out"} & set(runtime.stats["warm_up"])
 
 
 @pytest.fixture(scope="module")
@@ -311,25 +329,30 @@ def test_a_bucket_run_as_gc_splits_rows_all_r_on_every_rank(gc_fallback, stage):
 def test_a_verdict_for_gc_is_confirmed_by_as_many_rounds_again():
     """NOTE [ GC's verdict, confirmed ]: GC no slower in both rounds queues two more rounds of
     the plan against GC; a plan faster in one of them keeps the plan, GC no slower in all four
-    sends the bucket to GC. Once: a second call queues nothing."""
+    sends the bucket to GC. Once: a second call queues nothing. The layers' verdicts come from
+    the rounds their variants ran in: the plan's later runs (faster here) leave layer 0, which
+    the first two rounds showed not to pay, dropped."""
     def timed(gc_seconds: list[float]) -> LeaveOneOut:
         loo = LeaveOneOut([0], repeats=2, gc=True)
         while not loo.done:
             variant = loo.next_variant()
-            loo.record(variant, {LeaveOneOut.WARM_UP: 9.0, None: 1.0, 0: 1.2}.get(variant, 0.0)
+            loo.record(variant, {LeaveOneOut.WARM_UP: 9.0, None: 1.0, 0: 0.99}.get(variant, 0.0)
                        if variant != LeaveOneOut.GC else gc_seconds.pop(0))
         return loo
 
-    for later, verdict in (([1.1, 0.9], False), ([0.9, 1.0], True)):
+    for later, verdict in (([1.1, 0.9], False), ([0.9, 0.95], True)):
         loo = timed([0.9, 1.0])
+        assert loo.dropped() == {0}  # 0.01 s slower without it, in both rounds
         assert loo.gc_not_slower() and loo.confirm_gc(2) and not loo.done
         order = []
         while not loo.done:
             order.append(loo.next_variant())
-            loo.record(order[-1], 1.0 if order[-1] is None else later[len(order) // 2 - 1])
+            loo.record(order[-1], 0.95 if order[-1] is None else later[len(order) // 2 - 1])
         assert order == [None, LeaveOneOut.GC, None, LeaveOneOut.GC]
+        assert loo.times[None] == [1.0, 1.0, 0.95, 0.95]
         assert loo.times[LeaveOneOut.GC] == [0.9, 1.0, *later]
         assert loo.gc_not_slower() == verdict and not loo.confirm_gc(2)
-        assert loo.utilities() == pytest.approx({0: 0.2})  # the layers' verdict: their rounds
+        assert loo.utilities() == pytest.approx({0: -0.01})  # the layers' verdict: their rounds
+        assert loo.dropped() == {0}
     assert not timed([1.1, 1.1]).confirm_gc(0)  # no rounds asked: nothing queued
     assert not LeaveOneOut([0], repeats=2).confirm_gc(2)  # GC not timed: nothing to confirm

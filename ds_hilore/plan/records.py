@@ -18,6 +18,11 @@ def _name(key) -> str:
     return f"{key[0]}x{key[1]}"
 
 
+def _key(name: str) -> tuple[int, int]:
+    batch, length = name.split("x")
+    return int(batch), int(length)
+
+
 def stats(scheduler) -> dict[str, Any]:
     """The last step's figures (or the step in progress'), every bucket's plan and profile,
     leave-one-out, ranking and calibration."""
@@ -74,7 +79,14 @@ def state_dict(scheduler) -> dict[str, Any]:
             # a plan that peaked over the budget stays cut after a resume
             "headroom_cut": {_name(k): b.headroom_cut for k, b in profiled.items() if b.overshot},
             # leave-one-out still to run (saved while it ran): it runs again after a resume
-            "unvalidated": [_name(k) for k, b in profiled.items() if not b.validated]}
+            "unvalidated": [_name(k) for k, b in profiled.items() if not b.validated],
+            # what leave-one-out decided stays decided: a shape that runs as GC (NOTE [ Never
+            # slower than GC ] in validate.py), the bucket that timed the layers' variants and
+            # those that took its verdict (NOTE [ A bucket learns from the others ] in profile.py)
+            "gc_faster": [_name(k) for k, b in profiled.items() if b.gc_faster],
+            "loo_layers": [_name(k) for k, b in profiled.items() if b.loo_layers],
+            "source": {_name(k): _name(b.source) for k, b in profiled.items()
+                       if b.source is not None}}
 
 
 def load_state_dict(scheduler, state: dict[str, Any]) -> None:
@@ -95,6 +107,10 @@ def load_state_dict(scheduler, state: dict[str, Any]) -> None:
         if cut is not None:
             bucket.headroom_cut, bucket.overshot = int(cut), True
         bucket.validated = name not in state.get("unvalidated", [])
+        bucket.gc_faster = bucket.validated and name in state.get("gc_faster", [])
+        bucket.loo_layers = name in state.get("loo_layers", [])
+        source = state.get("source", {}).get(name)
+        bucket.source = None if source is None else _key(source)
         scheduler.buckets[profile.key] = bucket
         scheduler._plan_bucket(bucket, profiled=False)
         if not bucket.validated:

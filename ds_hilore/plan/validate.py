@@ -48,7 +48,7 @@ class LeaveOneOut:
         """``tokens``: the bucket's (B x L), what every timing is normalised to (NOTE [ Timings
         per token ]); None: timings are compared as recorded. ``gc``: gradient checkpointing
         is timed too, interleaved with the plan."""
-        self.tokens = tokens
+        self.tokens, self.repeats = tokens, repeats
         variants: list = [None, *([self.GC] if gc else []), *layers]
         self.queue: list = [self.WARM_UP, *(v for _ in range(repeats) for v in variants)]
         self.times: dict[int | None, list[float]] = {v: [] for v in variants}
@@ -81,7 +81,7 @@ class LeaveOneOut:
 
     def utilities(self) -> dict[int, float]:
         """Seconds each layer's option saves under joint execution (fastest without - with)."""
-        base = self.times[None]
+        base = self._plan_rounds()
         if not base:
             return {}
         with_plan = min(base)
@@ -124,7 +124,7 @@ class LeaveOneOut:
 
     def noise(self, layer: int) -> float:
         """Half the mean range of the plan's and the layer variant's timings (seconds)."""
-        spread = [max(ts) - min(ts) for ts in (self.times[None], self.times[layer]) if ts]
+        spread = [max(ts) - min(ts) for ts in (self._plan_rounds(), self.times[layer]) if ts]
         return sum(spread) / (2 * len(spread)) if spread else 0.0
 
     def dropped(self) -> set[int]:
@@ -132,6 +132,12 @@ class LeaveOneOut:
         every repeat the variant ran no slower than the plan's run of the same round."""
         return {layer for layer, utility in self.utilities().items()
                 if utility + self.noise(layer) <= 0 and self._every_round(layer)}
+
+    def _plan_rounds(self) -> list[float]:
+        """The plan's timings of the rounds the layers' variants ran in: the rounds that
+        confirm GC's verdict time the plan against GC alone, seconds or minutes later, and
+        leave the layers' verdicts as they were."""
+        return self.times[None][:self.repeats]
 
     def _every_round(self, variant) -> bool:
         """Every round ran ``variant`` (a layer recomputed, or GC) no slower than the plan."""

@@ -115,8 +115,12 @@ class TorchDistCollective:
             return tensor.tolist()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.host_group)
-        stacked = torch.stack(parts)  # (world, n)
-        return (stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.sum(0)).tolist()
+        if op == dist.ReduceOp.MAX:
+            return torch.stack(parts).amax(0).tolist()  # (world, n) -> (n,): any order
+        total = parts[0]
+        for part in parts[1:]:  # rank by rank: a sum's order is the ranks', on any CPU
+            total = total + part
+        return total.tolist()
 
 
 # NOTE [ Host values gathered ]
@@ -126,9 +130,11 @@ class TorchDistCollective:
 # 1.0-2.0 ms on a 2-core CPU, an all-gather of the same 0.5 ms and a broadcast 0.4 ms -- and
 # the elision's agreement runs once per microbatch (NOTE [ Collective elision ] in
 # agreement.py). So a list of up to ``_GATHER_MAX`` values is all-gathered and every rank
-# reduces the (world, n) table itself, in rank order: the same numbers on every rank, bitwise
-# (a sum's order is the table's, not the transport's). Longer lists (none on the hot path) go
-# through an all-reduce: a gathered table grows with the world.
+# reduces the (world, n) table itself: a max in any order, a sum rank by rank (one addition
+# per rank and value, in rank order, whatever the CPU's vector width or threads: a reduction
+# over the table's rows would order its additions by the kernel's accumulators, which may
+# differ between machines of one run). The same numbers on every rank, bitwise. Longer lists
+# (none on the hot path) go through an all-reduce: a gathered table grows with the world.
 _GATHER_MAX = 1024
 
 

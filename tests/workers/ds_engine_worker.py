@@ -330,8 +330,9 @@ def check_collective() -> dict:
     return {"rank": c.rank, "world_size": c.world_size, "broadcast": c.broadcast_actions(mine),
             "max": c.all_reduce_max([c.rank, 2**40 if c.rank == 0 else 5]),
             "sum": c.all_reduce_sum([0.5, 0.25]),
-            # gathered and summed in rank order (NOTE [ Host values gathered ]): 0.1 + 0.2 on
-            # every rank, not 0.2 + 0.1; a list longer than _GATHER_MAX goes by an all-reduce
+            # gathered and summed here (NOTE [ Host values gathered ]): the same bits on both
+            # ranks (the order of three or more is tests/test_engine.py's); a list longer than
+            # _GATHER_MAX goes by an all-reduce
             "ordered": c.all_reduce_sum([0.1 if c.rank == 0 else 0.2, 1e16 if c.rank == 0 else 1.0]),
             "long": c.all_reduce_max_float([float(c.rank)] * 2000)}
 
