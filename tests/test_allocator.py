@@ -809,6 +809,7 @@ def test_a_state_saved_while_leave_one_out_ran_runs_it_again_after_the_resume(ru
     _, _, runtime, record = run_tight
     state = json.loads(json.dumps(runtime.state_dict()))
     assert state["policy"]["unvalidated"] == []  # nothing to validate (no repeats): done
+    state["policy"]["loo_layers"] = [TIGHT_NAME]  # the bucket that timed the layers' variants
     for unvalidated, runs in (([], False), ([TIGHT_NAME], True)):
         state["policy"]["unvalidated"] = unvalidated
         model = _model()
@@ -822,6 +823,9 @@ def test_a_state_saved_while_leave_one_out_ran_runs_it_again_after_the_resume(ru
             keeps = any(a != "R" for a in bucket.plan.actions.values())
             assert (bucket.loo is not None) is (runs and keeps)
             assert bucket.validated is not (runs and keeps)
+            # the run's layer verdicts: the saved ones, or this bucket's leave-one-out's again
+            # (a plan that keeps nothing times no layer: the next bucket will)
+            assert bucket.loo_layers is (not runs or keeps)
         finally:
             fresh.detach()
 

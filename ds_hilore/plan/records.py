@@ -108,7 +108,7 @@ def load_state_dict(scheduler, state: dict[str, Any]) -> None:
             bucket.headroom_cut, bucket.overshot = int(cut), True
         bucket.validated = name not in state.get("unvalidated", [])
         bucket.gc_faster = bucket.validated and name in state.get("gc_faster", [])
-        bucket.loo_layers = name in state.get("loo_layers", [])
+        bucket.loo_layers = bucket.validated and name in state.get("loo_layers", [])
         source = state.get("source", {}).get(name)
         bucket.source = None if source is None else _key(source)
         scheduler.buckets[profile.key] = bucket
