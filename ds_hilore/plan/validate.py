@@ -115,7 +115,10 @@ class LeaveOneOut:
         ``rounds`` more rounds of the plan against GC alone (the layers' variants have had
         theirs) before it holds: GC must again be no slower in every round, now of twice as
         many. A false verdict needs every one of them to go wrong; a true one costs ``rounds``
-        microbatches of the plan. Once per bucket; True when the rounds were queued."""
+        microbatches of the plan. The layers' verdicts still read the plan's runs of their own
+        rounds (``_plan_rounds``): a plan timed faster later, against GC alone, would otherwise
+        keep a layer its rounds showed not to pay. Once per bucket; True when the rounds were
+        queued."""
         if self.confirming or rounds <= 0 or self.GC not in self.times:
             return False
         self.confirming = True
