@@ -18,11 +18,6 @@ def _name(key) -> str:
     return f"{key[0]}x{key[1]}"
 
 
-def _key(name: str) -> tuple[int, int]:
-    batch, length = name.split("x")
-    return int(batch), int(length)
-
-
 def stats(scheduler) -> dict[str, Any]:
     """The last step's figures (or the step in progress'), every bucket's plan and profile,
     leave-one-out, ranking and calibration."""
@@ -85,7 +80,7 @@ def state_dict(scheduler) -> dict[str, Any]:
             # those that took its verdict (NOTE [ A bucket learns from the others ] in profile.py)
             "gc_faster": [_name(k) for k, b in profiled.items() if b.gc_faster],
             "loo_layers": [_name(k) for k, b in profiled.items() if b.loo_layers],
-            "source": {_name(k): _name(b.source) for k, b in profiled.items()
+            "source": {_name(k): list(b.source) for k, b in profiled.items()
                        if b.source is not None}}
 
 
@@ -110,7 +105,7 @@ def load_state_dict(scheduler, state: dict[str, Any]) -> None:
         bucket.gc_faster = bucket.validated and name in state.get("gc_faster", [])
         bucket.loo_layers = bucket.validated and name in state.get("loo_layers", [])
         source = state.get("source", {}).get(name)
-        bucket.source = None if source is None else _key(source)
+        bucket.source = None if source is None else tuple(source)
         scheduler.buckets[profile.key] = bucket
         scheduler._plan_bucket(bucket, profiled=False)
         if not bucket.validated:
