@@ -157,6 +157,123 @@ def test_without_a_zero_sequence_on_any_rank_the_top_of_the_backward_is_no_sync(
     assert len(reads) <= 1, reads
 
 
+# a plan that keeps nothing (no headroom over GC's peak): every bucket runs as GC
+AS_GC = {"memory_budget": 1.0, "codec_backend": "eager", "profile_microbatches": 1,
+         "calibration_microbatches": 0, "plan_validation_microbatches": 0}
+
+
+def _steady_run(collective: "CountedCollective", config: dict = AS_GC,
+                reads: DeviceReads | None = None, steps: int = 4):
+    """A LoRA model whose runtime agrees over ``collective`` (ranks that all agree), stepped
+    with ``end_step`` until its steps are steady (NOTE [ A steady step agrees nothing before
+    its forwards ] in ds_hilore/plan/steady.py), at most ``steps``. Returns (runtime, step(seq)):
+    one microbatch of ``seq`` positions, forward and backward, and the collective calls made
+    before its first layer's forward and in all (``reads``, counting while active: the reads
+    before that forward in ``reads.before``)."""
+    model = with_lora(tiny_model("llama", layers=2, hidden=64, intermediate=128))
+    runtime = ds_hilore.attach(model, config)
+    runtime.collective = collective  # after attach: ZeRO 0-2's, whose module calls are their own
+    before_first: list[int] = []
+
+    def first_layer(*_):
+        before_first.append(len(collective.calls))
+        if reads is not None:
+            reads.before = list(reads.where)
+
+    runtime._layers[0].module.register_forward_pre_hook(first_layer)
+
+    def step(seq: int = 16) -> tuple[list[str], list[str]]:
+        inputs = batch(batch_size=4, seq=seq)
+        ids = inputs["input_ids"]
+        collective.calls.clear()
+        before_first.clear()
+        logits = model(**inputs).logits.float()  # (B, T, V)
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        adv = torch.tensor([1.0, 0.5, -0.5, -1.0])
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        policy_loss(logp, logp.detach(), adv, mask, loss_type="grpo", model=model).loss.backward()
+        return collective.calls[:before_first[0]], list(collective.calls)
+
+    for _ in range(steps):
+        assert "_bucket_key" in step()[0]  # an agreed step
+        runtime.end_step()
+        if runtime.policy.steady:
+            break
+    return runtime, step
+
+
+def test_a_steady_step_makes_no_collective_before_the_first_layers_forward(monkeypatch):
+    """Every bucket met runs as GC (its plan keeps nothing), nothing is due: the step is
+    steady, and its microbatch runs as GC with no collective and no device read at all -- the
+    step before it agreed the bucket in the forward's pre-hook. The step that ends agrees
+    whether the next one is steady, in the all-reduce it makes anyway (the step's exposure);
+    ``hold_out``, on every rank at the same point, ends the steady step there."""
+    reads = DeviceReads(monkeypatch)
+    runtime, step = _steady_run(CountedCollective(), reads=reads)
+    assert runtime.policy.steady
+    reads.active = True
+    before, calls = step()
+    reads.active = False
+    assert before == [] and calls == [], calls
+    assert reads.before == [] and reads.where == [], reads.where
+    assert runtime._mb.as_gc  # gradient checkpointing itself
+    runtime.end_step()
+    assert runtime.policy.steady and runtime.stats["steady"] and not runtime.stats["warm_up"]
+    runtime.policy.hold_out()
+    assert step()[0] == ["_bucket_key"] and not runtime.policy.steady
+
+
+def test_a_bucket_that_runs_its_plan_agrees_before_every_forward():
+    """A bucket whose plan keeps something: a rank's own shape could pick another bucket's plan
+    than the others', and whether a rank takes part in the checks' collectives follows its
+    plan, so every step agrees the bucket before the forward."""
+    runtime, step = _steady_run(CountedCollective(), PLANNED, steps=6)
+    assert not runtime.policy.steady
+    assert step() == (["_bucket_key"], ["_bucket_key", "agree"])
+
+
+def test_a_new_shape_in_a_steady_step_runs_as_gc_and_the_next_steps_agree_until_it_comes():
+    """A shape longer than every bucket, met in a steady step: that rank cannot ask the others
+    before its forward; it runs as GC as every bucket does, and the step's end makes the next
+    steps agree until the shape comes again and gets its own bucket (it may be one HiLoRe
+    wins on)."""
+    runtime, step = _steady_run(CountedCollective())
+    assert step(seq=32) == ([], [])
+    assert runtime._mb.as_gc and runtime.policy.step_stats["warm_up"] == {"unplanned": 1}
+    assert (4, 32) not in runtime.policy.buckets  # a bucket is made only where ranks agree
+    runtime.end_step()
+    assert not runtime.policy.steady
+    assert step()[0] == ["_bucket_key"]  # the old shape: agreed while no bucket holds 32
+    runtime.end_step()
+    assert not runtime.policy.steady
+    assert step(seq=32)[0] == ["_bucket_key"]
+    assert (4, 32) in runtime.policy.buckets  # profiled now, on every rank at once
+
+
+def test_a_shorter_shape_in_a_steady_step_makes_the_next_step_agree():
+    """A shape with no bucket of its own, held by a longer one: run as GC, and the next step
+    agrees, to give the shape its own bucket."""
+    runtime, step = _steady_run(CountedCollective())
+    assert step(seq=8) == ([], []) and not runtime.policy.step_stats.get("warm_up")
+    runtime.end_step()
+    assert not runtime.policy.steady
+    assert step(seq=8)[0] == ["_bucket_key"]
+
+
+def test_a_prediction_is_used_from_a_step_that_agrees_and_keeps_the_steps_agreeing():
+    """``expect`` before a steady step's forward: its rows are agreed before the forward, so
+    that step runs without it, and the next steps agree while predictions come."""
+    runtime, step = _steady_run(CountedCollective())
+    runtime.expect([1.0, 0.0, 1.0, 1.0])
+    assert step()[0] == [] and runtime.policy.step_stats.get("predicted_microbatches", 0) == 0
+    for _ in range(2):
+        runtime.end_step()
+        assert not runtime.policy.steady
+        runtime.expect([1.0, 0.0, 1.0, 1.0])
+        assert step()[0] == ["_bucket_key"]
+        assert runtime.policy.step_stats["predicted_microbatches"] == 1
+
+
 def test_one_read_returns_every_part_exactly(monkeypatch):
     from ds_hilore.runtime.reads import read_once
 

@@ -104,3 +104,24 @@ def test_a_profile_is_agreed_in_every_field_the_plans_read(planned):
 def test_a_checkpoint_state_is_restored_on_every_rank_or_on_none(planned):
     got = [_case(r, "resume") for r in planned]
     assert [g["restored"] for g in got] == [False, False], got  # rank 1's device differs
+
+
+def test_steady_steps_plan_each_ranks_own_shape_and_train_exactly(ranks):
+    """NOTE [ A steady step agrees nothing before its forwards ]: once 4x32 is planned (to run
+    as GC: no headroom), the steps are steady; rank 1's shorter microbatch (no bucket of its
+    own) makes the step after agree again; its longer one, that no bucket holds, too, and the
+    next step agrees and profiles 4x64 on both ranks. No hang; every rank keeps the same
+    buckets; parameters bitwise those of the run without HiLoRe (GC is exact)."""
+    got = [_case(r, "local_buckets") for r in ranks]
+    for rank in got:
+        hilore, off = rank["hilore"], rank["off"]
+        assert hilore["raised"] == [None] * len(worker.LOCAL_LENGTHS), hilore
+        # step 0 profiles 4x32, 1 plans it, 2 charges what memory appeared since (NOTE [ Memory
+        # that appears after profiling ]); 3 steady (rank 1's 16); 4 agrees; 5 steady (rank 1's
+        # 48: unplanned); 6 agrees and profiles 4x64, 7 and 8 as 1 and 2; 9 steady
+        assert hilore["steady"] == [False] * 3 + [True, False, True] + [False] * 3 + [True]
+        assert all(hilore["as_gc"][1:6]) and all(hilore["as_gc"][7:]), hilore["as_gc"]
+        assert hilore["buckets"][5] == ["4x32"] and hilore["buckets"][6] == ["4x32", "4x64"]
+        assert hilore["params"] == off["params"]
+    assert got[0]["hilore"]["buckets"] == got[1]["hilore"]["buckets"]
+    assert got[1]["hilore"]["unplanned"][5] == 1 and got[0]["hilore"]["unplanned"][5] == 0

@@ -27,7 +27,8 @@ from typing import Any
 __all__ = ["KINDS", "digest", "step_work"]
 
 # what HiLoRe's ``stats["warm_up"]`` names (NOTE [ Warm-up, counted ] in plan/scheduler.py)
-KINDS = ("compile", "profiling", "planning", "calibration", "leave-one-out", "check")
+KINDS = ("compile", "profiling", "planning", "calibration", "leave-one-out", "check",
+         "unplanned")
 
 
 def step_work(before: Mapping[str, Any] | None, after: Mapping[str, Any],

@@ -167,6 +167,16 @@ class MatchedPasses(PassRunner):
             self.step_jobs.append(self.job)
         return capture
 
+    def due(self) -> bool:
+        """Whether a forward of the step beginning may be chosen for a pass (as ``begin_forward``
+        chooses): a hold-out asked for, a calibration left, a validation due at this step."""
+        s = self.scheduler
+        codec = s.runtime._codec is not None
+        return self.job is not None or (self.hold_out and codec) or (
+            s.calibrated < s.config.calibration_microbatches and codec and not self._settled()) \
+            or bool(s.config.validation_interval and self._validated_step != s.steps and (
+                self.revalidate or s.steps % s.config.validation_interval == 0))
+
     # NOTE [ Calibrated where cheap ]
     # A calibration costs its microbatch a forward and a backward of the decoder layers (the
     # matched pass), so its price grows with the microbatch's tokens: on a run whose steps vary

@@ -37,6 +37,8 @@ def stats(scheduler) -> dict[str, Any]:
             "predicted_microbatches": s.get("predicted_microbatches", 0),
             "warm_up": dict(s.get("warm_up") or {}),  # NOTE [ Warm-up, counted ] in scheduler.py
             "alloc_s": s.get("alloc_s", scheduler.alloc_s),
+            # NOTE [ A steady step agrees nothing before its forwards ] in steady.py
+            "steady": s.get("steady", scheduler.steady),
             "risk_budget": scheduler.config.grad_error_tolerance * scheduler.tighten,
             "plans": {_name(k): (b.plan.to_dict() if b.plan else None) for k, b in buckets.items()},
             "leave_one_out": {_name(k): {"utilities_s": b.loo_utilities,
@@ -91,6 +93,10 @@ def load_state_dict(scheduler, state: dict[str, Any]) -> None:
     scheduler.calibrated = int(state.get("calibrated", 0))
     scheduler.calibration_draws = int(state.get("calibration_draws", scheduler.calibrated))
     scheduler.step_exposure = StepExposure.from_dict(state.get("step_exposure", {}))
+    # NOTE [ A steady step agrees nothing before its forwards ] in steady.py: a run loaded
+    # mid-way agrees its next step, as a resumed one does
+    scheduler.steady = scheduler.unsettled = False
+    scheduler.unheld = scheduler.pending = 0
     for data in state.get("profiles", []):
         profile = BucketProfile.from_dict(data)
         name = _name(profile.key)

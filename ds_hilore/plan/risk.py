@@ -128,6 +128,7 @@ class StepExposure:
     previous_count: int | None = None  # N of the last step: microbatches on all ranks
     masses: list[float] = dataclasses.field(default_factory=list)  # M_m of this step (this rank)
     risks: list[float] = dataclasses.field(default_factory=list)  # sum_u s eps E_{u,S} per m
+    riders: list[float] = dataclasses.field(default_factory=list)  # the last close's, summed
 
     def reference(self, mass: float, predicted: float | None = None,
                   predicted_step: float | None = None, exposed: int | None = None) -> float:
@@ -157,13 +158,17 @@ class StepExposure:
         mean, count = data.get("previous_mean"), data.get("previous_count")
         return cls(None if mean is None else float(mean), None if count is None else int(count))
 
-    def close(self, collective=None) -> dict:
+    def close(self, collective=None, riders: list[float] = ()) -> dict:
         """End of the step: its estimate sum risk / E_step, and the reference of the next.
-        A collective (the same call on every rank) when ``collective`` is given."""
-        totals = [sum(self.risks), sum(self.masses), float(len(self.masses))]
+        A collective (the same call on every rank) when ``collective`` is given; ``riders``
+        ride along, summed over ranks into ``self.riders`` (what the next step must agree
+        before its forwards: NOTE [ A steady step agrees nothing before its forwards ] in
+        steady.py)."""
+        totals = [sum(self.risks), sum(self.masses), float(len(self.masses)), *riders]
         if collective is not None:
             totals = collective.all_reduce_sum(totals)
-        risk, mass, count = totals
+        risk, mass, count = totals[:3]
+        self.riders = list(totals[3:])
         per_mb = [r / m if m > 0 else 0.0 for r, m in zip(self.risks, self.masses)]
         if count > 0 and mass > 0:
             self.previous_mean, self.previous_count = mass / count, int(count)

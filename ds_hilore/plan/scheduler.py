@@ -1,7 +1,9 @@
 """The scheduler: HiLoRe deciding by itself, one microbatch at a time.
 
 NOTE [ One microbatch ]
-    begin_forward     shape bucket (all-reduced max over ranks); unseen -> all-R and profiled
+    begin_forward     shape bucket (all-reduced max over ranks; in a steady step, every bucket
+                      run as GC, nothing agreed: NOTE [ A steady step agrees nothing before its
+                      forwards ] in steady.py); unseen -> all-R and profiled
                       (profile.py); profiled -> the bucket's plan (allocate.py), sequences split
                       by predicted exposure (``expect``) when known, those predicted 0 never
                       stored and the plan re-solved for the rest (NOTE [ Freed memory is spent ])
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 from ds_hilore.plan import budget as budgets
-from ds_hilore.plan import prediction, records
+from ds_hilore.plan import prediction, records, steady
 from ds_hilore.plan.allocate import Plan, allocate
 from ds_hilore.plan.buckets import (Bucket, input_shape, priced_for_longest, priced_rooms,
                                     stores_all)
@@ -80,6 +82,15 @@ class Scheduler:
         self.calibrated = 0  # microbatches calibrated so far
         self.calibration_draws = 0  # groups drawn so far (NOTE [ Calibration spread over ranks ])
         self.steps = 0
+        # NOTE [ A steady step agrees nothing before its forwards ] in steady.py: the step in
+        # progress is steady (agreed at the last one's end); this rank met what makes the next
+        # one agree (a shape without a bucket of its own, a prediction); the longest length
+        # this rank met that no bucket held, and over ranks, until a bucket holds it
+        self.steady = False
+        self.unsettled = False
+        self.unheld = 0
+        self.pending = 0
+        self.said_steady = False
         self.alloc_s = 0.0  # this step's allocation time
         self.step_stats: dict[str, Any] = {}
         self.last_stats: dict[str, Any] = {}
@@ -94,6 +105,13 @@ class Scheduler:
         begin = time.perf_counter()
         self.metering.end_windows()
         self.metering.begin_step()  # NOTE [ Memory that appears after profiling ]
+        if self.expected is not None:  # NOTE [ A steady step agrees nothing before its forwards ]
+            self.unsettled = True  # in steady.py: a prediction's rows are agreed before the forward
+        self.steady = self.steady and not self.passes.hold_out  # called on every rank alike
+        if self.steady:
+            steady.begin_forward(self, args, kwargs)
+            self.alloc_s += time.perf_counter() - begin
+            return
         self.rows_here, length = input_shape(args, kwargs)
         self.runtime._split_next = None  # set by ``_apply`` for this forward only
         key, shortest = self._bucket_key(self.rows_here, length,
@@ -238,8 +256,11 @@ class Scheduler:
             return
         self.metering.end_windows()  # before the matched passes: they are not the step's plan
         self.passes.run()
-        self.step_stats["grad_error_est_step"] = self.step_exposure.close(self.runtime.collective)
+        self.step_stats["grad_error_est_step"] = self.step_exposure.close(
+            self.runtime.collective, steady.riders(self))
+        self.step_stats["steady"] = self.steady
         self.steps += 1
+        steady.after_step(self, self.step_exposure.riders)
         self.step_stats["alloc_s"] = self.alloc_s
         self.last_stats = self.step_stats
         self._reset_step()
@@ -473,17 +494,18 @@ class Scheduler:
             bucket.excluded |= dropped
             self._plan_bucket(bucket, profiled=False)
 
-    def _runs_as_gc(self, bucket: Bucket) -> bool:
+    def _runs_as_gc(self, bucket: Bucket, unpredicted: bool = False) -> bool:
         """NOTE [ Never slower than GC ] in validate.py: timed no faster than GC, or a plan that
         keeps nothing (with no prediction whose zeros it could elide): the bucket runs as
-        gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank."""
+        gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank.
+        ``unpredicted``: as it runs without a prediction (a steady step's)."""
         plan = bucket.plan
-        if plan is None or prediction.splits(self):
+        if plan is None or (not unpredicted and prediction.splits(self)):
             return False
         if any(a != "R" for a in self._pinned(plan.actions).values()):  # pinned by force_plan
             return False
-        return bucket.gc_faster or (
-            self.expected is None and not any(a != "R" for a in plan.actions.values()))
+        return bucket.gc_faster or ((unpredicted or self.expected is None)
+                                    and not any(a != "R" for a in plan.actions.values()))
 
     def _timed(self) -> list:
         """The run's timed profile samples, every bucket's (NOTE [ A bucket learns from the
@@ -586,8 +608,10 @@ class Scheduler:
         What the step did to learn rather than to train, by kind: microbatches profiled
         (all R, metered op by op on CPU), microbatches whose plan's peak was checked (metered
         too), leave-one-out's variants, calibration microbatches (run exact, and a matched pass
-        at the end of their backward), plans made, and the seconds the codec's compilation
-        took. ``stats["warm_up"]``; empty for a steady step."""
+        at the end of their backward), plans made, the seconds the codec's compilation
+        took, and microbatches of a steady step that no bucket holds (``unplanned``: run as
+        GC, NOTE [ A steady step agrees nothing before its forwards ] in steady.py).
+        ``stats["warm_up"]``; empty for a steady step."""
         work = self.step_stats.setdefault("warm_up", {})
         work[kind] = work.get(kind, 0) + amount
 

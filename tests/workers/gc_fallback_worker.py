@@ -99,7 +99,7 @@ def run_case(case: str, args) -> dict:
         distributed_port=args.master_port)
     rank, runtime = dist.get_rank(), engine.hilore
     fixed_clock(rank)
-    record = {"losses": [], "as_gc": []}
+    record = {"losses": [], "as_gc": [], "steady": []}
     for step in range(1, STEPS + 1):
         for micro in range(GAS):
             gen = torch.Generator().manual_seed(SEED + 1000 * step + 10 * micro + rank)
@@ -117,6 +117,8 @@ def run_case(case: str, args) -> dict:
             engine.step()
             record["losses"].append(loss.item().hex())
             record["as_gc"].append(bool(runtime is not None and runtime._mb.as_gc))
+        if runtime is not None:  # NOTE [ A steady step agrees nothing before its forwards ]
+            record["steady"].append(runtime.stats["steady"])
     if runtime is not None:
         bucket = runtime.policy.buckets[(BATCH, SEQ)]
         record["gc_faster"] = bucket.gc_faster

@@ -202,9 +202,45 @@ def top_frame_on_one_rank(port: int) -> dict:
             "params": _digest(engine)}
 
 
+# (rank 0's length, rank 1's) per step of ``local_buckets``: the first steps settle 4x32, then
+# rank 1 meets a shape 4x32 holds (16: no bucket of its own), then one no bucket holds (48)
+LOCAL_LENGTHS = ((T, T), (T, T), (T, T), (T, 16), (T, T), (T, 48), (T, 48), (T, 48), (T, 48),
+                 (T, 48))
+
+
+def local_buckets(port: int) -> dict:
+    """Steady steps (NOTE [ A steady step agrees nothing before its forwards ]): every bucket
+    runs as GC, so each rank runs its microbatch with no collective before the forward; a rank
+    1 shape held by the bucket, then one that no bucket holds, then agreed in the steps after.
+    Also run with HiLoRe off (the reference: GC is exact)."""
+    got = {}
+    for mode in ("hilore", "off"):
+        # memory_budget 1.0: no headroom over GC's peak, every plan keeps nothing (runs as GC)
+        block = {"memory_budget": 1.0, "profile_microbatches": 1, "calibration_microbatches": 0,
+                 "plan_validation_microbatches": 0} if mode == "hilore" else {"enabled": False}
+        engine = _engine(port, 2, 4, block)
+        rank = dist.get_rank()
+        raised, steady, unplanned, buckets, as_gc = [], [], [], [], []
+        for step, both in enumerate(LOCAL_LENGTHS):
+            ids = torch.randint(3, VOCAB, (4, both[rank]),
+                                generator=torch.Generator().manual_seed(10 * step + rank))
+            adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+            raised.append(_step(engine, _loss(engine, ids, adv)))
+            if engine.hilore is not None:
+                stats = engine.hilore.stats
+                steady.append(stats["steady"])
+                unplanned.append(stats["warm_up"].get("unplanned", 0))
+                buckets.append(sorted(stats["plans"]))
+                as_gc.append(engine.hilore._mb.as_gc)
+        got[mode] = {"raised": raised, "steady": steady, "unplanned": unplanned,
+                     "buckets": buckets, "as_gc": as_gc, "params": _digest(engine)}
+        engine.destroy()
+    return got
+
+
 CASES = {"late_leak": late_leak, "late_leak_two_engines": late_leak_two_engines,
          "packed_skip": packed_skip, "stopped_short": stopped_short,
-         "top_frame_on_one_rank": top_frame_on_one_rank}
+         "top_frame_on_one_rank": top_frame_on_one_rank, "local_buckets": local_buckets}
 
 
 def main() -> None:
