@@ -82,7 +82,9 @@ def _keeps(plan: Mapping[str, Any]) -> bool:
 def digest(stats: Mapping[str, Any]) -> dict[str, Any]:
     """What a report row shows of a HiLoRe run, from its last step's stats: the mix of actions
     (units x microbatches), bytes held per action, codec seconds, the allocator's own figures
-    (None under ``force_plan``) and its plan per shape bucket, unit by unit."""
+    (None under ``force_plan``), its plan per shape bucket, unit by unit, and whether the step
+    agreed nothing before its forwards (``steady_step``, None under ``force_plan``: NOTE
+    [ A steady step agrees nothing before its forwards ] in plan/steady.py)."""
     actions = {a: n for a, n in (stats.get("actions") or {}).items() if n}
     allocator = None
     if stats.get("budget_bytes") is not None:
@@ -93,4 +95,5 @@ def digest(stats: Mapping[str, Any]) -> dict[str, Any]:
     return {"plan_mix": actions,
             "held_bytes": {a: n for a, n in (stats.get("bytes") or {}).items() if n},
             "pack_s": stats.get("pack_s"), "unpack_s": stats.get("unpack_s"),
-            "allocator": allocator, "plans": plans or None}
+            "allocator": allocator, "plans": plans or None,
+            "steady_step": stats.get("steady")}
