@@ -106,7 +106,7 @@ def test_a_checkpoint_state_is_restored_on_every_rank_or_on_none(planned):
     assert [g["restored"] for g in got] == [False, False], got  # rank 1's device differs
 
 
-def test_steady_steps_plan_each_ranks_own_shape_and_train_exactly(ranks):
+def test_steady_steps_run_each_ranks_own_shape_as_gc_and_train_exactly(ranks):
     """NOTE [ A steady step agrees nothing before its forwards ]: once 4x32 is planned (to run
     as GC: no headroom), the steps are steady; rank 1's shorter microbatch (no bucket of its
     own) makes the step after agree again; its longer one, that no bucket holds, too, and the
