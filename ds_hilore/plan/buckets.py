@@ -137,6 +137,11 @@ def stores_all(bucket: Bucket) -> bool:
     return bucket.plan is not None and all(a == "H" for a in bucket.plan.actions.values())
 
 
+def rounded_length(length: int) -> int:
+    """A bucket's length: ``length`` rounded up to a power of two."""
+    return 1 << max(0, math.ceil(math.log2(max(1, length))))
+
+
 def input_shape(args, kwargs) -> tuple[int, int]:
     """(sequences, positions) of a forward's input ids or embeddings; (1, 1) when none."""
     ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))

@@ -39,7 +39,7 @@ from ds_hilore.plan import budget as budgets
 from ds_hilore.plan import prediction, records, steady
 from ds_hilore.plan.allocate import Plan, allocate
 from ds_hilore.plan.buckets import (Bucket, input_shape, priced_for_longest, priced_rooms,
-                                    stores_all)
+                                    rounded_length, stores_all)
 from ds_hilore.plan.calibrate import MatchedPasses
 from ds_hilore.plan.metering import Metering, agree
 from ds_hilore.plan.profile import BucketProfile, Profiler
@@ -577,7 +577,7 @@ class Scheduler:
             batch, length, shortest = int(agreed[0]), int(agreed[1]), -int(agreed[2])
             self.rows_agreed = agreed[3:]
         self.longest = int(length)  # over ranks: a check's decision (``_open_check``)
-        return (int(batch), 1 << max(0, math.ceil(math.log2(max(1, length))))), int(shortest)
+        return (int(batch), rounded_length(length)), int(shortest)
 
     def _agree(self, profile: BucketProfile) -> BucketProfile:
         return agree(profile, self.runtime.collective)  # plan/metering.py

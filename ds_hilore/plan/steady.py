@@ -1,5 +1,6 @@
-"""Steady steps: each rank plans its microbatches from its own shape, with no collective before
-the forward (NOTE [ A steady step agrees nothing before its forwards ]).
+"""Steady steps: where every bucket runs as gradient checkpointing, a microbatch makes no
+collective, before its forward or after (NOTE [ A steady step agrees nothing before its
+forwards ]); whether the next step is steady is agreed at the end of this one.
 
 Plain functions of the ``Scheduler`` (scheduler.py) they are called from.
 """
@@ -10,7 +11,7 @@ import logging
 import math
 
 from ds_hilore.plan import prediction
-from ds_hilore.plan.buckets import Bucket, input_shape
+from ds_hilore.plan.buckets import Bucket, input_shape, rounded_length
 
 logger = logging.getLogger("ds_hilore")
 
@@ -90,7 +91,7 @@ def begin_forward(s, args, kwargs) -> None:
     s.expected = None  # ``expect`` marked the step unsettled: used from the next one
     s.shortest = s.longest = s.length_here = int(length)
     s.rows_agreed = list(prediction.row_values(s, length))  # no prediction: nothing to agree
-    key = (int(s.rows_here), 1 << max(0, math.ceil(math.log2(max(1, length)))))
+    key = (int(s.rows_here), rounded_length(length))
     bucket = holding(s.buckets, key)
     if bucket is None or bucket.key[1] != key[1]:  # a shape of its own: learnt next step
         s.unsettled = True
