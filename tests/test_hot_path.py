@@ -182,16 +182,16 @@ def _steady_run(collective: "CountedCollective", config: dict = AS_GC,
 
     runtime._layers[0].module.register_forward_pre_hook(first_layer)
 
-    def step(seq: int = 16) -> tuple[list[str], list[str]]:
+    def step(seq: int = 16, adv=(1.0, 0.5, -0.5, -1.0)) -> tuple[list[str], list[str]]:
         inputs = batch(batch_size=4, seq=seq)
         ids = inputs["input_ids"]
         collective.calls.clear()
         before_first.clear()
         logits = model(**inputs).logits.float()  # (B, T, V)
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        adv = torch.tensor([1.0, 0.5, -0.5, -1.0])
         mask = torch.ones_like(logp, dtype=torch.bool)
-        policy_loss(logp, logp.detach(), adv, mask, loss_type="grpo", model=model).loss.backward()
+        policy_loss(logp, logp.detach(), torch.tensor(adv), mask, loss_type="grpo",
+                    model=model).loss.backward()
         return collective.calls[:before_first[0]], list(collective.calls)
 
     for _ in range(steps):
@@ -223,13 +223,74 @@ def test_a_steady_step_makes_no_collective_before_the_first_layers_forward(monke
     assert step()[0] == ["_bucket_key"] and not runtime.policy.steady
 
 
-def test_a_bucket_that_runs_its_plan_agrees_before_every_forward():
-    """A bucket whose plan keeps something: a rank's own shape could pick another bucket's plan
-    than the others', and whether a rank takes part in the checks' collectives follows its
-    plan, so every step agrees the bucket before the forward."""
-    runtime, step = _steady_run(CountedCollective(), PLANNED, steps=6)
+def test_a_planned_bucket_runs_its_plan_in_a_steady_step_with_its_own_checks(monkeypatch):
+    """Every bucket planned, its plan keeping something (pinned here), nothing due: the step is
+    steady, and a microbatch takes the bucket of its own shape and runs its plan with no
+    collective and no device read before its first layer's forward. Two ranks may then run
+    different plans, so the checks that follow the plan are this rank's own: at the top of the
+    backward the elided sequences' check reads but agrees nothing; at the coefficients the
+    elision's all-reduce stays (every rank makes it, whatever its plan)."""
+    reads = DeviceReads(monkeypatch)
+    runtime, step = _steady_run(CountedCollective(), PLANNED, reads=reads, steps=8)
+    assert runtime.policy.steady and not runtime.policy.steady_as_gc
+    reads.active = True
+    before, calls = step(adv=(1.0, 0.0, -0.5, 0.0))
+    reads.active = False
+    assert before == [] and reads.before == [], (before, reads.before)
+    assert calls == ["agree"], calls
+    assert len(reads.where) <= 2, reads.where  # at the coefficients, at the top of the backward
+    assert runtime._mb.local_checks and not runtime._mb.as_gc
+    runtime.end_step()
+    last = runtime.stats["microbatches"][-1]
+    assert last["actions"] == {"H": 2, "L": 2, "R": 0, "E": 0} and last["exact_zero_sequences"] == 2
+    assert runtime.policy.steady and runtime.stats["steady"]
+    assert step() == ([], ["agree"])  # nothing elided: nothing checked at the top
+
+
+class RiskierElsewhere(CountedCollective):
+    """Ranks that agree on everything but the risk of every unit, which another rank's plan
+    (packing every unit) puts far over any budget: the max over ranks at the coefficients."""
+
+    def all_reduce_max_float(self, values):
+        values = self._record(values)
+        if self.calls[-1] == "agree" and self.units:
+            values[-self.units:] = [10.0] * self.units
+        return values
+
+    units = 0
+
+
+def test_a_steady_microbatch_fits_its_risk_from_its_own_plan():
+    """In a steady step the ranks' plans may differ, so the risk fit after the coefficients
+    weighs this rank's own units (ZeRO 0-2: a unit sent to R on one rank issues no
+    collective): another rank's riskier plan sends nothing of this one's to R. In a step that
+    agrees, the plan is every rank's, and the max over ranks decides."""
+    collective = RiskierElsewhere()
+    runtime, step = _steady_run(collective, PLANNED, steps=8)
+    collective.units = len(runtime.units)
+    assert runtime.policy.steady
+    step()
+    runtime.end_step()
+    assert runtime.stats["microbatches"][-1]["actions"] == {"H": 2, "L": 2, "R": 0, "E": 0}
+    runtime.policy.hold_out()  # ends the steady step: the next forward agrees
+    assert step()[0] == ["_bucket_key"]
+    runtime.end_step()
+    assert runtime.stats["microbatches"][-1]["actions"]["R"] > 0
+
+
+def test_a_length_no_planned_bucket_holds_runs_all_r_and_the_next_steps_agree():
+    """In a steady step whose buckets run their plans, a length longer than every bucket's:
+    no plan is priced for it, so it keeps what GC keeps (its unpinned units R), and the next
+    steps agree until it comes again and gets its own bucket."""
+    config = {**PLANNED, "force_plan": {"*.mlp": "H"}, "low_precision": "none"}
+    runtime, step = _steady_run(CountedCollective(), config, steps=8)
+    assert runtime.policy.steady and not runtime.policy.steady_as_gc
+    assert step(seq=32) == ([], ["agree"])
+    assert runtime.policy.step_stats["warm_up"] == {"unplanned": 1}
+    runtime.end_step()
+    assert runtime.stats["microbatches"][-1]["actions"] == {"H": 2, "L": 0, "R": 2, "E": 0}
     assert not runtime.policy.steady
-    assert step() == (["_bucket_key"], ["_bucket_key", "agree"])
+    assert step(seq=32)[0] == ["_bucket_key"] and (4, 32) in runtime.policy.buckets
 
 
 def test_a_new_shape_in_a_steady_step_runs_as_gc_and_the_next_steps_agree_until_it_comes():

@@ -83,10 +83,12 @@ class Scheduler:
         self.calibration_draws = 0  # groups drawn so far (NOTE [ Calibration spread over ranks ])
         self.steps = 0
         # NOTE [ A steady step agrees nothing before its forwards ] in steady.py: the step in
-        # progress is steady (agreed at the last one's end); this rank met what makes the next
-        # one agree (a shape without a bucket of its own, a prediction); the longest length
-        # this rank met that no bucket held, and over ranks, until a bucket holds it
+        # progress is steady (agreed at the last one's end), and its buckets run as GC; this
+        # rank met what makes the next one agree (a shape without a bucket of its own, a
+        # prediction); the longest length this rank met that no bucket held, and over ranks,
+        # until a bucket holds it
         self.steady = False
+        self.steady_as_gc = False
         self.unsettled = False
         self.unheld = 0
         self.pending = 0
@@ -164,6 +166,7 @@ class Scheduler:
         if self.passes.running or self.bucket is None:
             return
         mb.plan_key = self.bucket.key
+        mb.local_checks = self.steady  # NOTE [ A steady step agrees nothing before its forwards ]
         mb.pass_job = self.passes.job if self.passes.fresh else None  # chosen at its forward
         mb.norms_all = mb.pass_job is not None and mb.pass_job.capture
         mb.timing, self.timing = self.timing, None
@@ -198,8 +201,9 @@ class Scheduler:
             sum(mass), sum(predicted[0]) if predicted[0] else None, predicted[1], predicted[2])
         risks = unit_risks(self.risk, mb, self.buckets[mb.plan_key], mass, exposure)
         mb.unit_risks = risks  # name -> s eps E_{u,S}
-        return [risks.get(u.name, 0.0) / reference if reference > 0 else 0.0
-                for u in self.runtime.units]
+        mb.risk_here = [risks.get(u.name, 0.0) / reference if reference > 0 else 0.0
+                        for u in self.runtime.units]
+        return mb.risk_here
 
     def after_coefficients(self, mb, agreed: list[float] | None = None) -> None:
         """ω and exposure are known: spend the risk budget on this update (NOTE [ One microbatch ]).
@@ -212,13 +216,12 @@ class Scheduler:
         self.zero_skips = mb.source == "analytic"  # an all-zero one skips its recompute then
         bucket = self.buckets[mb.plan_key]
         if bucket.plan is not None:
-            if agreed is not None:
-                self.last_fit = self._fit_risk(mb, agreed)
+            if agreed is not None:  # in a steady step this rank's own plan: its own risks
+                self.last_fit = self._fit_risk(mb, mb.risk_here if mb.local_checks else agreed)
             else:
                 for name in self.last_fit[2]:
                     unit = next((u for u in self.runtime.units if u.name == name), None)
-                    frame = mb.frame(unit.layer_index) if unit is not None else None
-                    if frame is not None and frame.plan.actions[unit.pos] != "R":
+                    if unit is not None and _packs(mb, unit):
                         self.runtime.downgrade(name, "R", mb=mb)
             self.fits += 1
             if self.last_fit[2]:  # units sent to R keep nothing: the peak is not the plan's
@@ -538,7 +541,8 @@ class Scheduler:
         until sum_u s eps_u E_{u,S} / M_ref fits the risk budget (NOTE [ Risk in step units ]
         in risk.py). ``scaled``: every unit's risk / M_ref, the max over ranks
         (``risk_vector``), so every rank sends the same units to R (a rank-local R hangs
-        ZeRO-3)."""
+        ZeRO-3); in a steady step, whose plan is this rank's own, this rank's (ZeRO 0-2 only:
+        NOTE [ A steady step agrees nothing before its forwards ] in steady.py)."""
         mass, _ = mb.exposure_lists()
         risks = dict(getattr(mb, "unit_risks", None) or {})
         budget, total = self._risk_budget(), sum(scaled)
@@ -547,8 +551,7 @@ class Scheduler:
             if total <= budget or scaled[k] <= 0:
                 break
             unit = self.runtime.units[k]
-            frame = mb.frame(unit.layer_index)
-            if frame is not None and frame.plan.actions[unit.pos] != "R":
+            if _packs(mb, unit):
                 self.runtime.downgrade(unit.name, "R", mb=mb)
             downgraded.append(unit.name)
             total -= scaled[k]
@@ -618,3 +621,11 @@ class Scheduler:
     def _reset_step(self) -> None:
         self.alloc_s = 0.0
         self.step_stats = {"peak_bytes": None, "grad_error_est": [], "grad_error_measured": None}
+
+
+def _packs(mb, unit) -> bool:
+    """Whether ``unit`` keeps something in ``mb`` that a recompute can replace: a frame that
+    holds it, not R. A layer kept whole (NOTE [ A layer that keeps everything ] in
+    runtime/calling.py) stores every unit H, as autograd does, and has nothing to send to R."""
+    frame = mb.frame(unit.layer_index)
+    return frame is not None and not frame.kept_whole and frame.plan.actions[unit.pos] != "R"

@@ -1,6 +1,6 @@
-"""Steady steps: where every bucket runs as gradient checkpointing, a microbatch makes no
-collective, before its forward or after (NOTE [ A steady step agrees nothing before its
-forwards ]); whether the next step is steady is agreed at the end of this one.
+"""Steady steps: once every bucket is planned and nothing is due, a microbatch makes no
+collective and no device read before its first layer's forward (NOTE [ A steady step agrees
+nothing before its forwards ]); whether the next step is steady is agreed at the end of this one.
 
 Plain functions of the ``Scheduler`` (scheduler.py) they are called from.
 """
@@ -19,30 +19,40 @@ logger = logging.getLogger("ds_hilore")
 # NOTE [ A steady step agrees nothing before its forwards ]
 # A microbatch's bucket is the max over ranks of its shape (NOTE [ Uneven batches ]): one
 # all-reduce in the model's forward pre-hook, before the first layer runs. It is there so that
-# whatever a bucket sets off that ends in a collective -- its profile, its plan's check,
-# leave-one-out, a calibration, a prediction's rows -- starts on every rank at once, and so
-# that every rank runs one plan: the runtime's checks decide from the plan whether a rank takes
-# part in a collective (a frame that keeps a unit checks its elided sequences at the top of the
+# whatever a bucket sets off that ends in a collective -- its profile, its plan's memory check,
+# leave-one-out, a calibration, a prediction's rows -- starts on every rank at once, and so that
+# every rank runs one plan: the runtime's checks decide from the plan whether a rank takes part
+# in a collective (a frame that keeps a unit checks its elided sequences at the top of the
 # backward, or at every layer where transformers records hidden states: NOTE [ Collective
 # elision ] in runtime/agreement.py), and under ZeRO-3 or FSDP the module calls must match.
-# Where every bucket met runs as gradient checkpointing (NOTE [ Never slower than GC ] in
-# validate.py: small layers, short microbatches, where the agreement's cost counts most), no
-# microbatch keeps anything, checks anything or makes a collective, whatever its shape: so once
-# nothing is due either (no pass chosen, no memory to charge, no shape waiting for its bucket),
-# the ranks agree at the end of a step (``close`` of the step's exposure, an all-reduce made
-# anyway) that the next one is *steady*: each rank runs its microbatches as GC, with no
-# collective and no device read before the first layer's forward -- none at all in the
-# microbatch. A shape without a bucket of its own, or a prediction handed to ``expect`` (its
-# rows are agreed before the forward: NOTE [ Freed memory is spent ]), makes the next step agree
-# again, where the shape gets its bucket (it may be one HiLoRe wins on), the prediction its
-# rows; a length that no bucket held keeps the steps agreeing until the length comes again and
-# is given one. ``hold_out``, called on every rank at the same point, ends the steady step
-# there. Where a bucket runs HiLoRe's plan, every step agrees: a rank's own shape could pick
-# another bucket's plan than the others'. Never under ZeRO-3 or FSDP (``matched_calls``), nor
-# in one process (nothing to agree); a resumed run agrees its first step. The agreement saved
-# is small on a CPU (an all-reduce of a few values between 2 gloo processes: 0.5-2 ms, plus the
-# wait for the slower rank), but it is a point where every rank waits for the others before
-# its forward, and on an accelerator the forward's first kernels wait behind it.
+# Once every bucket met is planned and nothing is due -- no profile, memory check, memory
+# charge or leave-one-out awaited, no pass chosen, no shape waiting for its bucket -- the ranks
+# agree at the end of a step (``close`` of the step's exposure, an all-reduce made anyway) that
+# the next one is *steady*: each rank takes the bucket of its own shape (the smallest that
+# holds it, as a rank whose microbatch is shorter than another's does in an agreed step) and
+# runs its plan with no collective and no device read before the first layer's forward. Two
+# ranks may then run different plans, so the checks that follow the plan are this rank's own
+# in a steady microbatch (``Microbatch.local_checks``): a leak found at the top of the backward
+# or at a layer sends this rank's frames to R, and the checks left are read without an
+# all-reduce -- safe only where a recompute issues no collective, ZeRO 0-2, and steady steps
+# are never taken under ZeRO-3 or FSDP (``matched_calls``). What stays collective there is
+# what every rank does alike whatever its plan: the elision's all-reduce at the coefficients
+# (every microbatch keeps a frame for its last layer), a late read (due from that all-reduce:
+# every rank then leaves a flag, NOTE [ A late read, due on every rank ] in runtime/late.py),
+# the end of the step. Where every bucket runs as gradient checkpointing (NOTE [ Never slower
+# than GC ] in validate.py: small layers, short microbatches) a steady microbatch runs as GC
+# and makes no collective at all; where some do and some do not, every step agrees (a GC
+# microbatch has no frame, so no elision all-reduce). A length that no bucket holds runs all
+# R (as GC where every bucket does) and keeps the steps agreeing until it comes again and gets
+# its bucket; where the buckets run as GC, a shape held by a longer bucket makes the next step
+# agree too, to give it its own (it may be one HiLoRe wins on). A prediction handed to
+# ``expect`` (its rows are agreed before the forward: NOTE [ Freed memory is spent ]) is used
+# from the next step, which agrees. ``hold_out``, called on every rank at the same point, ends
+# the steady step there; a resumed run agrees its first step; one process has nothing to agree.
+# The agreement saved is small on a CPU (an all-reduce of a few values between 2 gloo
+# processes: 0.5-2 ms, plus the wait for the slower rank), but it is a point where every rank
+# waits for the others before its forward, and on an accelerator the forward's first kernels
+# wait behind it.
 SLOTS = 48  # one per power of two of a length no bucket held
 
 
@@ -63,29 +73,40 @@ def after_step(s, summed: list[float]) -> None:
         s.pending = max(s.pending, 1 << max(unheld))
     if s.pending and any(b.key[1] >= s.pending for b in s.buckets.values()):
         s.pending = 0
-    s.steady = not summed[0] and not s.pending and settled_everywhere(s)
+    settled = settled_everywhere(s)
+    s.steady = not summed[0] and not s.pending and settled is not None
+    s.steady_as_gc = bool(settled)
     s.unsettled, s.unheld = False, 0
     if s.steady and not s.said_steady:
         s.said_steady = True
-        logger.info("ds_hilore: every shape met so far runs as gradient checkpointing: from step "
-                    "%d the ranks agree nothing before a microbatch's forward (a new shape or a "
-                    "prediction makes the next step agree again).", s.steps)
+        logger.info("ds_hilore: every shape met so far is planned%s: from step %d the ranks "
+                    "agree nothing before a microbatch's forward (a new shape or a prediction "
+                    "makes the next step agree again).",
+                    " and runs as gradient checkpointing" if s.steady_as_gc else "", s.steps)
 
 
-def settled_everywhere(s) -> bool:
+def settled_everywhere(s) -> bool | None:
     """Whether the next step may be steady as far as what every rank knows alike says: every
-    bucket runs as GC, none awaits its profile or leave-one-out, nothing is due. Read after
+    bucket planned, none awaits its memory check or leave-one-out, nothing is due; and either
+    every bucket runs as GC (True) or none does (False). None where it may not. Read after
     the step's end on every rank."""
     if s.runtime.collective is None or s.runtime.matched_calls or not s.buckets:
-        return False
+        return None
     if s.metering.awaiting or s.metering.check is not None or s.passes.due():
-        return False
-    return all(b.loo is None and s._runs_as_gc(b, unpredicted=True) for b in s.buckets.values())
+        return None
+    buckets = list(s.buckets.values())
+    if any(b.plan is None or b.loo is not None for b in buckets):
+        return None
+    as_gc = [s._runs_as_gc(b, unpredicted=True) for b in buckets]
+    if any(not gc and s.metering.awaits_check(b) for b, gc in zip(buckets, as_gc)):
+        return None
+    return True if all(as_gc) else False if not any(as_gc) else None
 
 
 def begin_forward(s, args, kwargs) -> None:
-    """A microbatch of a steady step: run as GC, nothing agreed (NOTE [ A steady step agrees
-    nothing before its forwards ])."""
+    """A microbatch of a steady step: the plan of the bucket holding this rank's own shape (as
+    GC where the buckets run as GC), nothing agreed (NOTE [ A steady step agrees nothing before
+    its forwards ])."""
     s.rows_here, length = input_shape(args, kwargs)
     s.runtime._split_next = None
     s.expected = None  # ``expect`` marked the step unsettled: used from the next one
@@ -93,14 +114,20 @@ def begin_forward(s, args, kwargs) -> None:
     s.rows_agreed = list(prediction.row_values(s, length))  # no prediction: nothing to agree
     key = (int(s.rows_here), rounded_length(length))
     bucket = holding(s.buckets, key)
-    if bucket is None or bucket.key[1] != key[1]:  # a shape of its own: learnt next step
-        s.unsettled = True
+    if bucket is None or (s.steady_as_gc and bucket.key[1] != key[1]):
+        s.unsettled = True  # a shape of its own: learnt next step
     if bucket is None:
         s.unheld = max(s.unheld, key[1])
         s.warm_up("unplanned")
-    s.bucket = bucket or next(iter(s.buckets.values()))
+    s.bucket = bucket or max(s.buckets.values(), key=lambda b: (b.key[1], b.key[0]))
     s.timing, s.passes.fresh, s.applied, s.predicted_zero = None, False, None, False
-    s.runtime.gc_forward = True
+    s.runtime.gc_forward = s.steady_as_gc
+    if s.steady_as_gc:
+        return
+    if bucket is None:  # no plan is priced for it: it keeps what GC keeps, through frames
+        s.runtime.apply_plan("R")
+    else:
+        s._apply(bucket, steady=True)
 
 
 def holding(buckets: dict, key: tuple[int, int]) -> Bucket | None:

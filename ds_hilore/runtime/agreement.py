@@ -42,7 +42,10 @@ def unverified_rows_to_r(runtime, frames, zero_of, mb=None) -> None:
 # read before the optimizer step, by the engine on every rank (``check_late``), one more
 # all-reduce in a step that left some; the optimizer's pre-hook and ``end_step`` then find
 # nothing left. A rank that raised alone would leave the others stepping on the reduced,
-# wrong gradients and then waiting at their next collective.
+# wrong gradients and then waiting at their next collective. This all-reduce is made in every
+# microbatch that keeps a frame, whatever its plan (the last layer always does), so it stays
+# where the ranks run plans of their own (NOTE [ A steady step agrees nothing before its
+# forwards ] in plan/steady.py); the checks after it that follow the plan are then local.
 class Flags(NamedTuple):
     """What each rank brings to the elision's all-reduce besides the unit flags, OR-ed over
     ranks there: an earlier backward leaked (late.py), a sequence found zero (a late read

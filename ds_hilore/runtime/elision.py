@@ -188,7 +188,8 @@ class Elision:
         # the same on every rank (plans are synced, the flags agreed): whether the backward
         # checks, and so whether it takes part in the collective decision there -- not where
         # no rank elides anything (no zero sequence anywhere, or elision off): no check at the
-        # top of the backward then, nor its read and all-reduce
+        # top of the backward then, nor its read and all-reduce. In a steady step the plan is
+        # this rank's own, and so is the decision (``mb.local_checks``)
         frame.elision_checked = frame.elision_ok and (
             skip_any or due and any(a != "R" for a in frame.plan.actions))
         recompute_named(frame, to_r)
@@ -243,29 +244,37 @@ class Elision:
         rows = sorted(frame.elided_rows)
         if frame.check_every_layer and frame.elision_checked:
             # transformers records hidden states: read it here, one decision for all ranks
-            # (elision_checked is the same on every rank, the rows elided are this rank's)
+            # (elision_checked is the same on every rank, the rows elided are this rank's), or
+            # this rank's where its plan is its own (``local_checks``)
             leak = bool(rows) and bool(_reaches(_at(grad.detach(), frame, rows)))
-            if self._decide(leak, collective=True):
+            if self._decide(leak, collective=not mb.local_checks):
                 self._fall_back([frame])
         elif rows:  # a leak here is an error before the next step, on any rank (late.py)
             mb.late_leaks.append(_reaches(_at(grad.detach(), frame, rows)))
 
     def _check_at_top(self, mb, grad: torch.Tensor) -> None:
         frames = [f for f in mb.live_frames() if f.elision_checked]
+        # checks of this rank's own (NOTE [ A steady step agrees nothing before its forwards ]
+        # in plan/steady.py): which frames are checked follows this rank's plan, so the late
+        # read that the coefficients' all-reduce made due is left on every rank whatever the
+        # check here found
+        local = mb.local_checks
         if not frames or grad.dim() < 2:
-            if mb.rows_due:  # a split's merges leave flags (NOTE [ Kept rows only ] in rows.py)
+            if mb.rows_due or (local and mb.late_due):  # a split's merges leave flags (NOTE
+                # [ Kept rows only ] in rows.py)
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self.late.defer(mb))
             return
         rows = sorted(set().union(*(f.elided_rows for f in frames)))
         packed = next((f for f in frames if f.segments is not None), frames[0])
         leak = _reaches(_at(grad.detach(), packed, rows)) if rows else None  # () bool
         if mb.settled:
-            leaks = self._decide(leak is not None and bool(leak), collective=True)
+            leaks = self._decide(leak is not None and bool(leak), collective=not local)
         else:  # read and agreed on with the checks left: NOTE [ One sync at the top of the
             leaks = self._decide(mb.settle(leak, at_top=True), collective=False)  # backward ] in microbatch.py
         if leaks:
             self._fall_back(frames)
-        elif mb.late_due:  # the same on every rank (NOTE [ A late read, due on every rank ])
+        if mb.late_due and (local or not leaks):  # the same on every rank (NOTE [ A late
+            # read, due on every rank ])
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self.late.defer(mb))
 
     def _stopped_short(self, mb) -> None:

@@ -26,6 +26,10 @@ class Microbatch:
         self.epoch = next(_EPOCHS)  # unique for the process (NOTE [ Aliases, by address ] in weights.py)
         self.runtime = runtime  # its units, and its collective when several ranks run
         self.settled = False  # the checks left at the backward were read (settle)
+        # its checks' decisions are this rank's own, read without an all-reduce: a microbatch
+        # of a steady step, whose plan may not be the other ranks' (NOTE [ A steady step agrees
+        # nothing before its forwards ] in plan/steady.py)
+        self.local_checks = False
         self.codec = runtime._codec
         self.min_pack_numel = runtime.config.min_pack_numel
         self.derive = runtime.config.derive_pointwise  # NOTE [ Derived tensors ] (derived.py)
@@ -71,6 +75,7 @@ class Microbatch:
         # training ] in plan/calibrate.py)
         self.norms_all = False
         self.unit_risks: dict[str, float] = {}  # the policy's risk of its units (the risk fit)
+        self.risk_here: list[float] = []  # ... of every unit, in step units, this rank's
         self.as_gc = False  # it ran as gradient checkpointing (NOTE [ Never slower than GC ])
         self.checkpointed: set[int] = set()  # layers run without a frame (NOTE [ A layer that keeps nothing ])
         # layers run without a frame, keeping what autograd keeps: layer -> the shape their
@@ -126,7 +131,10 @@ class Microbatch:
     # flags with the leak flag appended, the same length on every rank) for both. Every rank
     # makes that call at the same point (whether the top check runs is the same on every rank:
     # only where the coefficients' all-reduce found a sequence elided on some rank, ``_elide``
-    # in elision.py; with none anywhere there is nothing to check, and no call).
+    # in elision.py; with none anywhere there is nothing to check, and no call). In a steady
+    # step, whose plan may be this rank's own, the read is made and nothing agreed
+    # (``local_checks``: NOTE [ A steady step agrees nothing before its forwards ] in
+    # plan/steady.py).
     def settle(self, leak: torch.Tensor | None = None, at_top: bool = False) -> bool:
         """Read the microbatch's checks left at once; a unit whose check failed on any rank is
         recomputed instead (NOTE [ Collective fallback ]). ``leak``: a () bool device flag read
@@ -138,7 +146,7 @@ class Microbatch:
             if checks:
                 raise bug("a check was deferred after the microbatch's backward began")
             return False
-        collective = self.runtime.collective
+        collective = None if self.local_checks else self.runtime.collective
         if not checks and collective is None and leak is None:
             return False
         if not at_top and self.source is not None:

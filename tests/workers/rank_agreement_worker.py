@@ -33,6 +33,10 @@ ds_hilore/runtime/agreement.py). Run by tests.launch.run_distributed; each ``--c
   one rank's last layer runs through its full frame (the shape's first call) and the other's
   keeps nothing: both must make that all-reduce at the same point.
 
+* ``local_buckets``, ``local_plans``: steady steps (NOTE [ A steady step agrees nothing before
+  its forwards ]), each rank on the bucket of its own shape: every bucket run as GC, then every
+  bucket run by its plan, with sequences found zero on one rank only (their docstrings).
+
 Each rank reports, per case, what ``engine.step()`` raised (or null) at each step, HiLoRe's
 ``backward_skipped`` count, and the SHA-256 of the parameters at the end.
 """
@@ -104,15 +108,19 @@ def late_leak(port: int) -> dict:
 
     engine = _engine(port, 2, 4, {"force_plan": "H", "elide_zero_rows": True})
     rank = dist.get_rank()  # once DeepSpeed initialised
-    raised = []
-    for step, advantages in enumerate(([1.0, -1.0, 0.5, -0.5], [1.0, 0.0, -0.5, 0.0])):
-        if step == 1 and rank == 0:
-            def nan(dtype):
-                return float("nan") if dtype.is_floating_point else 0
-            storage.stand_in_value = bundle.stand_in_value = nan
-        ids = torch.randint(3, VOCAB, (4, T), generator=torch.Generator().manual_seed(10 * step + rank))
-        adv = torch.tensor(advantages if rank == 0 else [1.0, -1.0, 0.5, -0.5])
-        raised.append(_step(engine, _loss(engine, ids, adv)))
+    raised, stand_ins = [], (storage.stand_in_value, bundle.stand_in_value)
+    try:  # the cases after this one run in the same processes
+        for step, advantages in enumerate(([1.0, -1.0, 0.5, -0.5], [1.0, 0.0, -0.5, 0.0])):
+            if step == 1 and rank == 0:
+                def nan(dtype):
+                    return float("nan") if dtype.is_floating_point else 0
+                storage.stand_in_value = bundle.stand_in_value = nan
+            ids = torch.randint(3, VOCAB, (4, T),
+                                generator=torch.Generator().manual_seed(10 * step + rank))
+            adv = torch.tensor(advantages if rank == 0 else [1.0, -1.0, 0.5, -0.5])
+            raised.append(_step(engine, _loss(engine, ids, adv)))
+    finally:
+        storage.stand_in_value, bundle.stand_in_value = stand_ins
     return {"raised": raised, "global_steps": engine.global_steps,
             "elided": sum(m.get("exact_zero_sequences", 0)
                           for m in engine.hilore.stats.get("microbatches", []))}
@@ -238,9 +246,51 @@ def local_buckets(port: int) -> dict:
     return got
 
 
+# (rank 0's length, rank 1's, the rank whose sequences 1 and 3 have A = 0, or None) per step
+# of ``local_plans``: 4x32 settles; steady steps with zero sequences on one rank, rank 1's 16
+# (held by 4x32), its 48 (no bucket holds it: all R while rank 0 runs 4x32's plan), then
+# 4x64 agreed, and steady again with each rank on its own bucket
+LOCAL_PLANS = ((T, T, None), (T, T, None), (T, T, None), (T, T, 0), (T, 16, 1), (T, 48, 0),
+               (T, 48, 1), (T, 48, None), (T, 48, None), (T, 48, None), (T, 48, 0), (T, 48, 1),
+               (T, 16, 0))
+
+
+def local_plans(port: int) -> dict:
+    """Steady steps whose buckets run their plans (NOTE [ A steady step agrees nothing before
+    its forwards ]): each rank takes the bucket of its own shape, so the ranks' plans differ
+    (one may keep units while the other recomputes all), with sequences found zero on one rank
+    only; the checks that follow a plan are each rank's own. Also run with HiLoRe off (the
+    reference: H and R are exact, and so is the elision of zero sequences on a CPU)."""
+    got = {}
+    for mode in ("hilore", "off"):
+        # budget 4x GC's: plans keep what they can; H or R only (low_precision "none")
+        block = {"memory_budget": 4.0, "profile_microbatches": 1, "calibration_microbatches": 0,
+                 "plan_validation_microbatches": 0} if mode == "hilore" else {"enabled": False}
+        engine = _engine(port, 2, 4, block)
+        rank = dist.get_rank()
+        raised, steady, local, kept, buckets = [], [], [], [], []
+        for step, (*lengths, zero_rank) in enumerate(LOCAL_PLANS):
+            ids = torch.randint(3, VOCAB, (4, lengths[rank]),
+                                generator=torch.Generator().manual_seed(10 * step + rank))
+            adv = torch.tensor([1.0, 0.0, -0.5, 0.0] if zero_rank == rank else [1.0, -1.0, 0.5, -0.5])
+            raised.append(_step(engine, _loss(engine, ids, adv)))
+            if engine.hilore is not None:
+                stats = engine.hilore.stats
+                steady.append(stats["steady"])
+                local.append(engine.hilore._mb.local_checks)
+                kept.append(stats["actions"]["H"])
+                buckets.append({k: v and "".join(sorted(set(v["actions"].values())))
+                                for k, v in stats["plans"].items()})
+        got[mode] = {"raised": raised, "steady": steady, "local": local, "kept": kept,
+                     "buckets": buckets, "params": _digest(engine)}
+        engine.destroy()
+    return got
+
+
 CASES = {"late_leak": late_leak, "late_leak_two_engines": late_leak_two_engines,
          "packed_skip": packed_skip, "stopped_short": stopped_short,
-         "top_frame_on_one_rank": top_frame_on_one_rank, "local_buckets": local_buckets}
+         "top_frame_on_one_rank": top_frame_on_one_rank, "local_buckets": local_buckets,
+         "local_plans": local_plans}
 
 
 def main() -> None:
