@@ -612,9 +612,10 @@ class Scheduler:
         (all R, metered op by op on CPU), microbatches whose plan's peak was checked (metered
         too), leave-one-out's variants, calibration microbatches (run exact, and a matched pass
         at the end of their backward), plans made, the seconds the codec's compilation
-        took, and microbatches of a steady step that no bucket holds (``unplanned``: run as
-        GC, NOTE [ A steady step agrees nothing before its forwards ] in steady.py).
-        ``stats["warm_up"]``; empty for a steady step."""
+        took, and microbatches of a steady step that no bucket holds (``unplanned``: run all
+        R, as GC where the buckets run as GC, NOTE [ A steady step agrees nothing before its
+        forwards ] in steady.py). ``stats["warm_up"]``; empty for a steady step that met only
+        shapes its buckets hold."""
         work = self.step_stats.setdefault("warm_up", {})
         work[kind] = work.get(kind, 0) + amount
 

@@ -47,7 +47,8 @@ class UpdateResult:
     peak_bytes: int | None  # PeakMeter's peak during the update (None when not metered)
     peak_delta: int | None  # the same above what was in use when the update began
     hilore: dict | None  # H/L/R/E counts, bytes per action, recomputed units, codec and recompute
-    # seconds, and the warm-up work of its optimizer steps (stats["warm_up"], kinds summed; {}: steady)
+    # seconds, the warm-up work of its optimizer steps (stats["warm_up"], kinds summed; {}: none)
+    # and how many of them were steady (stats["steady"])
 
 
 def actor_update(engine, rollout: Rollout, args, meter_memory: bool = False) -> UpdateResult:
@@ -172,11 +173,15 @@ class _HiLoReTotals:
         self.recomputed_units = 0
         self.recompute_s = self.pack_s = self.unpack_s = 0.0  # seconds
         self.warm_up: dict[str, float] = {}  # NOTE [ Warm-up, counted ] in ds_hilore/plan/scheduler.py
+        # optimizer steps that agreed nothing before their forwards (NOTE [ A steady step agrees
+        # nothing before its forwards ] in ds_hilore/plan/steady.py)
+        self.steady = 0
 
     def add(self, stats: dict, microbatches: int) -> None:
         """An optimizer step's ``engine.hilore.stats``: its last ``microbatches`` micro-batches."""
         for kind, amount in (stats.get("warm_up") or {}).items():
             self.warm_up[kind] = self.warm_up.get(kind, 0) + amount
+        self.steady += int(bool(stats.get("steady")))
         for mb in stats["microbatches"][-microbatches:]:
             for a in ACTIONS:
                 self.actions[a] += mb["actions"].get(a, 0)
