@@ -1,8 +1,8 @@
 """The scheduler: HiLoRe deciding by itself, one microbatch at a time.
 
 NOTE [ One microbatch ]
-    begin_forward     shape bucket (all-reduced max over ranks; in a steady step, every bucket
-                      run as GC, nothing agreed: NOTE [ A steady step agrees nothing before its
+    begin_forward     shape bucket (all-reduced max over ranks; in a steady step this rank's
+                      own, nothing agreed: NOTE [ A steady step agrees nothing before its
                       forwards ] in steady.py); unseen -> all-R and profiled
                       (profile.py); profiled -> the bucket's plan (allocate.py), sequences split
                       by predicted exposure (``expect``) when known, those predicted 0 never
