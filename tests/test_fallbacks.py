@@ -127,6 +127,7 @@ def test_a_unit_flagged_by_another_rank_is_recomputed_here_too():
     loss_and_grads(model, inputs)  # discovery
     flagged = runtime.units[1]  # layer 0's mlp: nothing failed here
     runtime.collective = OtherRank({flagged.index}, len(runtime.units))
+    runtime.matched_calls = True  # as attach under several ranks: the checks are every rank's
     loss, grads = loss_and_grads(model, inputs)
     # once per microbatch, at the coefficients (here the gradient at the last hidden state):
     # 4 units, none failed here; no sequence is zero on any rank, so no check at the top of
@@ -298,6 +299,7 @@ def test_a_leak_seen_by_another_rank_recomputes_the_elided_layers_here_too():
     runtime = ds_hilore.attach(model, {"low_precision": "none", "force_plan": "H"})
     _grpo_grads(model, ids, adv)  # discovery
     runtime.collective = OtherRank(set())
+    runtime.matched_calls = True  # as attach under several ranks: the checks are every rank's
     _grpo_grads(model, ids, adv)
     assert runtime.stats["microbatches"][-1]["recomputed_units"] == 0  # nobody leaked
     runtime.collective = OtherRank({len(runtime.units)})  # the flag after the units': a leak

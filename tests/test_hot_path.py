@@ -227,24 +227,29 @@ def test_a_planned_bucket_runs_its_plan_in_a_steady_step_with_its_own_checks(mon
     """Every bucket planned, its plan keeping something (pinned here), nothing due: the step is
     steady, and a microbatch takes the bucket of its own shape and runs its plan with no
     collective and no device read before its first layer's forward. Two ranks may then run
-    different plans, so the checks that follow the plan are this rank's own: at the top of the
-    backward the elided sequences' check reads but agrees nothing; at the coefficients the
-    elision's all-reduce stays (every rank makes it, whatever its plan)."""
+    different plans, so what follows the plan is this rank's own: at the coefficients and at
+    the top of the backward the microbatch reads but agrees nothing (NOTE [ A microbatch of
+    its own ] in ds_hilore/runtime/agreement.py), and the late flags are read and agreed once,
+    before the step ends, on every rank."""
     reads = DeviceReads(monkeypatch)
-    runtime, step = _steady_run(CountedCollective(), PLANNED, reads=reads, steps=8)
+    collective = CountedCollective()
+    runtime, step = _steady_run(collective, PLANNED, reads=reads, steps=8)
     assert runtime.policy.steady and not runtime.policy.steady_as_gc
     reads.active = True
     before, calls = step(adv=(1.0, 0.0, -0.5, 0.0))
     reads.active = False
     assert before == [] and reads.before == [], (before, reads.before)
-    assert calls == ["agree"], calls
+    assert calls == [], calls
     assert len(reads.where) <= 2, reads.where  # at the coefficients, at the top of the backward
     assert runtime._mb.local_checks and not runtime._mb.as_gc
+    assert step() == ([], [])  # nothing elided: nothing checked at the top
+    collective.calls.clear()
+    runtime.check_late()  # before the optimizer step: the late flags of both, on every rank
+    assert collective.calls == ["flush"], collective.calls
     runtime.end_step()
-    last = runtime.stats["microbatches"][-1]
+    last = runtime.stats["microbatches"][-2]
     assert last["actions"] == {"H": 2, "L": 2, "R": 0, "E": 0} and last["exact_zero_sequences"] == 2
     assert runtime.policy.steady and runtime.stats["steady"]
-    assert step() == ([], ["agree"])  # nothing elided: nothing checked at the top
 
 
 class RiskierElsewhere(CountedCollective):
@@ -285,7 +290,7 @@ def test_a_length_no_planned_bucket_holds_runs_all_r_and_the_next_steps_agree():
     config = {**PLANNED, "force_plan": {"*.mlp": "H"}, "low_precision": "none"}
     runtime, step = _steady_run(CountedCollective(), config, steps=8)
     assert runtime.policy.steady and not runtime.policy.steady_as_gc
-    assert step(seq=32) == ([], ["agree"])
+    assert step(seq=32) == ([], [])
     assert runtime.policy.step_stats["warm_up"] == {"unplanned": 1}
     runtime.end_step()
     assert runtime.stats["microbatches"][-1]["actions"] == {"H": 2, "L": 0, "R": 2, "E": 0}
@@ -513,6 +518,8 @@ class LateOnOtherRank:
         return list(values)
 
     def all_reduce_max(self, values):
+        if sys._getframe(1).f_code.co_name == "flush":  # the late read of a microbatch of its
+            return [1, *values[1:]]  # own: the leak flag, then the disproved one
         return list(values)
 
 
@@ -527,8 +534,30 @@ def test_a_leak_is_read_with_the_next_coefficients_and_raised_on_every_rank():
     _grpo_loss_and_grads(model, ids, adv)  # a clean backward after it: nothing to raise
     runtime.end_step()
     runtime.collective = LateOnOtherRank()  # this rank is clean, the other one leaked
+    runtime.matched_calls = True  # as attach under several ranks sets it: every microbatch agrees
     with pytest.raises(HiLoReError, match="intermediate layer's hidden state"):
         _grpo_loss_and_grads(model, ids, adv)
+
+
+def test_a_leak_in_a_microbatch_of_its_own_is_raised_on_every_rank_before_the_step():
+    """Under ZeRO 0-2 with a plan set by hand, a microbatch agrees nothing (NOTE [ A microbatch
+    of its own ] in ds_hilore/runtime/agreement.py): a leak, this rank's or another's, is read
+    and agreed once, before the optimizer step, and raised on every rank there."""
+    model, runtime, keep, handle = _leaking_model()
+    ids = batch()["input_ids"]
+    adv = torch.tensor([1.0, 0.0, -1.0])
+    runtime.collective = ranks = CountedCollective()  # after attach: ZeRO 0-2's
+    _grpo_with_intermediate_loss(model, ids, keep).backward()  # leaked: nothing read yet
+    handle.remove()
+    _grpo_loss_and_grads(model, ids, adv)  # its own: nothing agreed, the flag left pending
+    assert ranks.calls == [] and runtime._mb.local_checks
+    with pytest.raises(HiLoReError, match="intermediate layer's hidden state"):
+        runtime.check_late()
+    assert ranks.calls == ["flush"]
+    _grpo_loss_and_grads(model, ids, adv)  # clean here; the other rank leaked
+    runtime.collective = LateOnOtherRank()
+    with pytest.raises(HiLoReError, match="intermediate layer's hidden state"):
+        runtime.end_step()
 
 
 def test_loss_on_recorded_hidden_states_is_checked_at_every_layer_and_exact():

@@ -148,6 +148,48 @@ def test_a_wrong_prediction_raises_before_the_backward():
         runtime.detach()
 
 
+class Ranks:
+    """A stand-in for ``runtime.collective`` under ZeRO 0-2 (set after attach: module calls
+    are each rank's own): records its callers; ``others`` is what the other ranks bring to the
+    late read (late leak, disproved), OR-ed in."""
+
+    def __init__(self, others=(0, 0)):
+        self.calls, self.others = [], list(others)
+
+    def all_reduce_max(self, values):
+        import sys
+
+        self.calls.append(sys._getframe(1).f_code.co_name)
+        if self.calls[-1] == "flush":
+            return [max(v, o) for v, o in zip(values, self.others)]
+        return list(values)
+
+    all_reduce_max_float = all_reduce_sum = all_reduce_max
+
+
+@pytest.mark.parametrize("here", [True, False])
+def test_a_wrong_prediction_of_a_microbatch_of_its_own_raises_on_every_rank_before_the_step(here):
+    """Under ZeRO 0-2 with a plan set by hand, a microbatch's decisions are its rank's own and
+    it agrees nothing (NOTE [ A microbatch of its own ] in ds_hilore/runtime/agreement.py): a
+    row predicted zero with coefficients is found here at the coefficients (``here``) or on
+    another rank, and raises at the late read before the optimizer step, on every rank."""
+    model, _, runtime = _attached("R")
+    try:
+        _first(runtime, model)
+        runtime.collective = ranks = Ranks(others=(0, 0) if here else (0, 1))
+        ids, omega = _data(3, PART)
+        runtime.expect([1.0, 0.0, 1.0, 1.0] if here else omega.abs().sum(1).tolist())
+        _step(model, ids, omega.flip(0) if here else omega, runtime)  # row 1 is not zero
+        assert ranks.calls == [] and runtime._mb.local_checks and runtime._mb.split is not None
+        with pytest.raises(ds_hilore.HiLoReError, match="expect"):
+            runtime.check_late()
+        assert ranks.calls == ["flush"]
+        runtime.end_step()  # read: nothing left
+        assert ranks.calls == ["flush"]
+    finally:
+        runtime.detach()
+
+
 @pytest.mark.parametrize("where", ["entropy", "hidden_state"])
 def test_gradient_a_prediction_does_not_see_stops_the_step(where):
     """A loss term that reaches a row predicted zero -- an entropy bonus on the logits, a loss

@@ -35,14 +35,14 @@ logger = logging.getLogger("ds_hilore")
 # in a steady microbatch (``Microbatch.local_checks``): a leak found at the top of the backward
 # or at a layer sends this rank's frames to R, and the checks left are read without an
 # all-reduce -- safe only where a recompute issues no collective, ZeRO 0-2, and steady steps
-# are never taken under ZeRO-3 or FSDP (``matched_calls``). What stays collective there is
-# what every rank does alike whatever its plan: the elision's all-reduce at the coefficients
-# (every microbatch keeps a frame for its last layer), a late read (due from that all-reduce:
-# every rank then leaves a flag, NOTE [ A late read, due on every rank ] in runtime/late.py),
-# the end of the step. Where every bucket runs as gradient checkpointing (NOTE [ Never slower
-# than GC ] in validate.py: small layers, short microbatches) a steady microbatch runs as GC
-# and makes no collective at all; where some do and some do not, every step agrees (a GC
-# microbatch has no frame, so no elision all-reduce). A length that no bucket holds runs all
+# are never taken under ZeRO-3 or FSDP (``matched_calls``). Nor does the rest of the
+# microbatch agree anything (NOTE [ A microbatch of its own ] in runtime/agreement.py): no
+# all-reduce at the coefficients, no check's; what a rank found that must be an error on every
+# rank is read once, before the optimizer step, on every rank (every rank holds a late flag
+# then), and the step's end agrees the next step. Where every bucket runs as gradient
+# checkpointing (NOTE [ Never slower than GC ] in validate.py: small layers, short
+# microbatches) a steady microbatch runs as GC; where some do and some do not, every step
+# agrees. A length that no bucket holds runs all
 # R (as GC where every bucket does) and keeps the steps agreeing until it comes again and gets
 # its bucket; where the buckets run as GC, a shape held by a longer bucket makes the next step
 # agree too, to give it its own (it may be one HiLoRe wins on). A prediction handed to

@@ -10,11 +10,12 @@ def unverified_rows_to_r(runtime, frames, zero_of, mb=None) -> None:
     """Sequences a plan elided at capture (predicted to have zero coefficients) that do not:
     their units are recomputed instead (exact: the layer's inputs are kept). ``zero_of(frame)``
     is the set of the frame's sequences shown to be zero. A collective under several ranks
-    (NOTE [ Collective elision ]): every rank calls it at the same point. ``mb``: a microbatch
-    whose coefficients never came; whether some rank split its rows rides along (its merges'
-    flags are then read, NOTE [ Kept rows only ] in rows.py)."""
+    (NOTE [ Collective elision ]): every rank calls it at the same point, but for a microbatch
+    whose decisions are this rank's own (NOTE [ A microbatch of its own ]). ``mb``: a
+    microbatch whose coefficients never came; whether some rank split its rows rides along (its
+    merges' flags are then read, NOTE [ Kept rows only ] in rows.py)."""
     flags = _unverified(runtime, frames, zero_of) + [int(mb is not None and mb.split is not None)]
-    if runtime.collective is not None:
+    if runtime.collective is not None and not (mb is not None and mb.local_checks):
         flags = runtime.collective.all_reduce_max(flags)
     if mb is not None and flags[-1]:
         mb.rows_due = mb.late_due = True
@@ -42,10 +43,33 @@ def unverified_rows_to_r(runtime, frames, zero_of, mb=None) -> None:
 # read before the optimizer step, by the engine on every rank (``check_late``), one more
 # all-reduce in a step that left some; the optimizer's pre-hook and ``end_step`` then find
 # nothing left. A rank that raised alone would leave the others stepping on the reduced,
-# wrong gradients and then waiting at their next collective. This all-reduce is made in every
-# microbatch that keeps a frame, whatever its plan (the last layer always does), so it stays
-# where the ranks run plans of their own (NOTE [ A steady step agrees nothing before its
-# forwards ] in plan/steady.py); the checks after it that follow the plan are then local.
+# wrong gradients and then waiting at their next collective. Where no decision needs to be
+# every rank's (ZeRO 0-2, and plans of each rank's own or set by hand) it is not made at all
+# (NOTE [ A microbatch of its own ], below).
+# NOTE [ A microbatch of its own ]
+# Where a recompute issues no collective (ZeRO 0-2 through ``ds_hilore.initialize``: not
+# ``matched_calls``) and the ranks' plans need not be one -- a steady step (NOTE [ A steady
+# step agrees nothing before its forwards ] in plan/steady.py), or a plan set by hand
+# (``set_plan`` / ``force_plan``, no allocator) -- nothing a microbatch decides has to be every
+# rank's: which units a disproved elision or a failed check sends to R, which sequences are
+# elided, whether its layers' backward is skipped (each rank's backward is its own there), the
+# risk fit (this rank's plan). Such a microbatch (``Microbatch.local_checks``) makes no
+# collective from its forward to the end of its backward: the elision's all-reduce at the
+# coefficients is not made, nor the checks' at the top of the backward or at a layer. Only
+# an error must still be every rank's: a rank raising alone would leave the others waiting at
+# their next gradient reduction. So each rank keeps what it found -- a late leak, on the
+# device, and a row predicted zero with coefficients, on the host (its rows ran without
+# autograd: the backward reads nothing of them, their gradient is missing) -- and every rank
+# holds a late flag from the start of such a microbatch (``LateFlags.seed``: a host False
+# where nothing leaves one), so the next read, before any optimizer step (``check_late``, the
+# optimizer's pre-hook, ``end_step``, or the next agreed coefficients), is one all-reduce on
+# every rank and raises on every rank. A step of such microbatches thus makes one collective
+# of HiLoRe's at its end, where the ranks meet anyway, instead of one or two in each
+# microbatch between its forward and its backward -- a point where the faster rank waits for
+# the slower: on 2 layers of width 64 (0.2 s steps, 2 ranks), the microbatch's all-reduce took
+# 10 % of a step's time, kept with every layer stored (measured by ``hilore bench --model
+# tiny``). An error then comes at the step's end rather than at the next microbatch's
+# coefficients, still before any optimizer step.
 class Flags(NamedTuple):
     """What each rank brings to the elision's all-reduce besides the unit flags, OR-ed over
     ranks there: an earlier backward leaked (late.py), a sequence found zero (a late read
@@ -59,16 +83,17 @@ class Flags(NamedTuple):
 
 
 def agree(runtime, frames, all_zero: bool, verified, failed: list[int], flags: Flags,
-           risks: list[float] | None):
+           risks: list[float] | None, local: bool = False):
     """((every rank's sequences all zero, some rank's, this rank's), names of the units to
     recompute on every rank, unit flags of a failed check on any rank, ``flags`` OR-ed over
     ranks, the policy's ``risks``, the max over ranks, or None). One all-reduce (float64: the
-    flags are exact in it)."""
+    flags are exact in it); none where ``local``, the microbatch's decisions this rank's own
+    (NOTE [ A microbatch of its own ]): then every value is this rank's."""
     here = all_zero
     if_all = _unverified(runtime, frames, lambda f: verified(f, True))
     if_not = _unverified(runtime, frames, lambda f: verified(f, False))
     some = all_zero
-    if runtime.collective is not None:
+    if runtime.collective is not None and not local:
         n, extra = len(if_all), list(risks or [])
         agreed = runtime.collective.all_reduce_max_float(
             [0 if all_zero else 1, int(all_zero), *if_all, *if_not, *failed, *map(int, flags),

@@ -400,6 +400,10 @@ class LayerCalls:
                 del self._step[0]
             if self.policy is not None and not self._probing:
                 self.policy.begin_microbatch(self._mb)
+            elif self.policy is None and not self._probing:  # a plan set by hand: nothing to agree
+                self._mb.local_checks = self.collective is not None and not self.matched_calls
+            if self._mb.local_checks:  # NOTE [ A microbatch of its own ] in agreement.py
+                self._elision.late.seed()
         return self._mb
 
     def _summarise(self, mb: Microbatch) -> None:

@@ -99,7 +99,10 @@ class Elision:
         unit_exposure = _unit_exposure(frames, abs_omega, coefficients.shape[1], offset, segments) \
             if policy is None or policy.wants_exposure(mb) else {}
         checks, held = mb.take_checks()
-        read = read_once([mass, held, self.late.take(), disproof,
+        # a microbatch of this rank's own leaves earlier backwards' flags to the next read made
+        # on every rank (NOTE [ A microbatch of its own ] in agreement.py)
+        local = mb.local_checks
+        read = read_once([mass, held, None if local else self.late.take(), disproof,
                           *unit_exposure.values()])  # the one read
         mass_read, held, late, disproved = read[:4]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
@@ -127,18 +130,22 @@ class Elision:
         # NOTE [ Collective elision ]: one all-reduce decides, for every rank, whether all
         # sequences are zero, which units saw a capture-time elision disproved or a check
         # failed, whether an earlier backward leaked, and the risk of every unit (the policy's)
+        disproved = any(v != 0 for v in disproved)
         agreed = agree(self.runtime, frames, all_zero, lambda frame, every_zero: elidable_rows(
             frame, every_zero, zero if every_zero or mode != "whole" else [], segments, source),
             mb.check_failures(checks, held), Flags(
-                any(v != 0 for v in late), bool(zero), any(v != 0 for v in disproved),
-                mb.split is not None), risks)
+                any(v != 0 for v in late), bool(zero),
+                disproved or (not local and self.late.take_disproved()), mb.split is not None),
+            risks, local)
         all_zero, to_r, failed, flags, risks = agreed
         # NOTE [ A late read, due on every rank ] (late.py); a split's merges leave flags too
         mb.late_due = mb.late_due or flags.due or flags.split
         mb.rows_due = mb.rows_due or flags.split
         if flags.late:
             raise late_error()
-        if flags.disproved:
+        if flags.disproved and local:  # raised at the next read, on every rank; the rows ran
+            self.late.disproved = True  # without autograd: no backward reads anything of them
+        elif flags.disproved:
             raise rows.disproved_error()
         skip, skip_any = self._skip_here(all_zero, source)  # NOTE [ A backward of zeros ]
         if mode == "whole" and not skip:
@@ -290,7 +297,7 @@ class Elision:
         elided = [f for f in frames if f.elided_rows or f.skip_zero_recompute or any(
             rows is not None and "E" in rows for rows in f.plan.rows)]
         collective = self.runtime.collective
-        if collective is not None:
+        if collective is not None and not mb.local_checks:
             if collective.all_reduce_max([int(bool(elided))])[0] == 0:
                 return
             elided = [f for f in frames if any(a != "R" for a in f.plan.actions)]

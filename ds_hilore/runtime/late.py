@@ -14,8 +14,10 @@ flag after its backward on every rank -- this rank's own, or a host False where 
 nothing -- and every read of the flags (with the next coefficients, ``check_late``,
 ``end_step``, an optimizer's pre-hook) is then one all-reduce, on every rank at the same point,
 and raises on every rank. A step with no sequence found zero on any rank leaves no flag: no
-read, and no all-reduce. The pre-hook reads the runtimes in the order they were attached (the
-same on every rank).
+read, and no all-reduce. A microbatch whose decisions are its rank's own agrees nothing at its
+coefficients, so every rank holds a flag from its start instead (NOTE [ A microbatch of its
+own ] in agreement.py): the step's read is then made on every rank, whatever each found. The
+pre-hook reads the runtimes in the order they were attached (the same on every rank).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ds_hilore._errors import HiLoReError
+from ds_hilore.runtime.rows import disproved_error
 
 __all__ = ["LateFlags", "late_error"]
 
@@ -38,6 +41,9 @@ class LateFlags:
         self.runtime = runtime
         self.order = next(_ATTACHED_ORDER)  # the same on every rank: runtimes attach together
         self.flag: torch.Tensor | None = None  # () bool: a late leak since the last read
+        # a row predicted zero had coefficients in a microbatch of this rank's own (NOTE
+        # [ A microbatch of its own ] in agreement.py): raised at the next read, on every rank
+        self.disproved = False
 
     def defer(self, mb) -> None:
         """The end of a backward: its per-layer flags folded into one, on the device, read with
@@ -50,11 +56,26 @@ class LateFlags:
         _PENDING.add(self)
         _watch_optimizers()
 
+    def seed(self) -> None:
+        """A microbatch whose decisions are this rank's own (NOTE [ A microbatch of its own ]
+        in agreement.py), begun on every rank alike: a read is due on every rank, so every
+        rank holds a flag -- a host False where nothing else leaves one."""
+        if self.flag is None:
+            self.flag = torch.zeros((), dtype=torch.bool)
+        _PENDING.add(self)
+        _watch_optimizers()
+
     def take(self) -> torch.Tensor | None:
         """The flags, handed over to be read with others (``Elision.apply``)."""
         flag, self.flag = self.flag, None
         _PENDING.discard(self)
         return flag
+
+    def take_disproved(self) -> bool:
+        """Whether a microbatch of this rank's own found a row predicted zero with
+        coefficients since the last read, handed over to be agreed on with others."""
+        disproved, self.disproved = self.disproved, False
+        return disproved
 
     def flush(self) -> None:
         """Read the flags now, where a read is due (on every rank alike, NOTE [ A late read,
@@ -62,11 +83,15 @@ class LateFlags:
         while the gradients about to be stepped on are every rank's once data parallelism
         reduced them. Every rank calls it at the same point."""
         flag = self.take()
+        disproved = self.take_disproved()
         if flag is None:
             return
         leaked = bool(flag)
         if self.runtime.collective is not None:
-            leaked = self.runtime.collective.all_reduce_max([int(leaked)])[0] > 0
+            leaked, disproved = (v > 0 for v in self.runtime.collective.all_reduce_max(
+                [int(leaked), int(disproved)]))
+        if disproved:
+            raise disproved_error()
         if leaked:
             raise late_error()
 

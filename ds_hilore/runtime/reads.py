@@ -12,7 +12,8 @@ all-reduce):
   ``Microbatch.exposure_lists``), the forward's deferred checks (NOTE [ One read per
   microbatch ] in storage.py) and the late flags left by earlier backwards (below). One
   all-reduce then agrees on the elision, the failed checks and the late flags (NOTE
-  [ Collective elision ] in agreement.py).
+  [ Collective elision ] in agreement.py) -- none where the microbatch's decisions are this
+  rank's own (NOTE [ A microbatch of its own ]): its late flags wait for the step's read.
 * the top of the backward (``Microbatch.settle``): the leak check at the last layer's output
   (NOTE [ Checked elision ] in elision.py) with any check deferred since the coefficients; one
   all-reduce (NOTE [ One sync at the top of the backward ] in microbatch.py). Where no rank
