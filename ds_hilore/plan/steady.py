@@ -41,11 +41,11 @@ logger = logging.getLogger("ds_hilore")
 # rank is read once, before the optimizer step, on every rank (every rank holds a late flag
 # then), and the step's end agrees the next step. Where every bucket runs as gradient
 # checkpointing (NOTE [ Never slower than GC ] in validate.py: small layers, short
-# microbatches) a steady microbatch runs as GC; where some do and some do not, every step
-# agrees. A length that no bucket holds runs all
-# R (as GC where every bucket does) and keeps the steps agreeing until it comes again and gets
-# its bucket; where the buckets run as GC, a shape held by a longer bucket makes the next step
-# agree too, to give it its own (it may be one HiLoRe wins on). A prediction handed to
+# microbatches) a steady microbatch runs as GC, and so does one whose bucket does where others
+# run their plans (nothing in either is agreed). A length that no bucket holds runs all R (as
+# GC where every bucket does) and keeps the steps agreeing until it comes again and gets its
+# bucket; a shape held by a longer bucket that runs as GC makes the next step agree too, to
+# give it its own (it may be one HiLoRe wins on). A prediction handed to
 # ``expect`` (its rows are agreed before the forward: NOTE [ Freed memory is spent ]) is used
 # from the next step, which agrees. ``hold_out``, called on every rank at the same point, ends
 # the steady step there; a resumed run agrees its first step; one process has nothing to agree.
@@ -87,9 +87,9 @@ def after_step(s, summed: list[float]) -> None:
 
 def settled_everywhere(s) -> bool | None:
     """Whether the next step may be steady as far as what every rank knows alike says: every
-    bucket planned, none awaits its memory check or leave-one-out, nothing is due; and either
-    every bucket runs as GC (True) or none does (False). None where it may not. Read after
-    the step's end on every rank."""
+    bucket planned, none awaits its memory check or leave-one-out, nothing is due; True where
+    every bucket runs as GC, False where some runs its plan, None where it may not be steady.
+    Read after the step's end on every rank."""
     if s.runtime.collective is None or s.runtime.matched_calls or not s.buckets:
         return None
     if s.metering.awaiting or s.metering.check is not None or s.passes.due():
@@ -100,7 +100,7 @@ def settled_everywhere(s) -> bool | None:
     as_gc = [s._runs_as_gc(b, unpredicted=True) for b in buckets]
     if any(not gc and s.metering.awaits_check(b) for b, gc in zip(buckets, as_gc)):
         return None
-    return True if all(as_gc) else False if not any(as_gc) else None
+    return all(as_gc)
 
 
 def begin_forward(s, args, kwargs) -> None:
@@ -114,15 +114,16 @@ def begin_forward(s, args, kwargs) -> None:
     s.rows_agreed = list(prediction.row_values(s, length))  # no prediction: nothing to agree
     key = (int(s.rows_here), rounded_length(length))
     bucket = holding(s.buckets, key)
-    if bucket is None or (s.steady_as_gc and bucket.key[1] != key[1]):
+    as_gc = s.steady_as_gc if bucket is None else s._runs_as_gc(bucket, unpredicted=True)
+    if bucket is None or (as_gc and bucket.key[1] != key[1]):
         s.unsettled = True  # a shape of its own: learnt next step
     if bucket is None:
         s.unheld = max(s.unheld, key[1])
         s.warm_up("unplanned")
     s.bucket = bucket or max(s.buckets.values(), key=lambda b: (b.key[1], b.key[0]))
     s.timing, s.passes.fresh, s.applied, s.predicted_zero = None, False, None, False
-    s.runtime.gc_forward = s.steady_as_gc
-    if s.steady_as_gc:
+    s.runtime.gc_forward = as_gc
+    if as_gc:
         return
     if bucket is None:  # no plan is priced for it: it keeps what GC keeps, through frames
         s.runtime.apply_plan("R")
