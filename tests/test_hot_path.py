@@ -194,6 +194,7 @@ def _steady_run(collective: "CountedCollective", config: dict = AS_GC,
                     model=model).loss.backward()
         return collective.calls[:before_first[0]], list(collective.calls)
 
+    step.model = model
     for _ in range(steps):
         assert "_bucket_key" in step()[0]  # an agreed step
         runtime.end_step()
@@ -265,13 +266,15 @@ class RiskierElsewhere(CountedCollective):
     units = 0
 
 
-def test_a_steady_microbatch_fits_its_risk_from_its_own_plan():
+@pytest.mark.parametrize("refresh", [1, 2])
+def test_a_steady_microbatch_fits_its_risk_from_its_own_plan(refresh):
     """In a steady step the ranks' plans may differ, so the risk fit after the coefficients
     weighs this rank's own units (ZeRO 0-2: a unit sent to R on one rank issues no
     collective): another rank's riskier plan sends nothing of this one's to R. In a step that
-    agrees, the plan is every rank's, and the max over ranks decides."""
+    agrees, the plan is every rank's, and the max over ranks decides -- a fit due on every rank
+    whatever each counted in the steady step (``refresh_interval``)."""
     collective = RiskierElsewhere()
-    runtime, step = _steady_run(collective, PLANNED, steps=8)
+    runtime, step = _steady_run(collective, {**PLANNED, "refresh_interval": refresh}, steps=8)
     collective.units = len(runtime.units)
     assert runtime.policy.steady
     step()
@@ -281,6 +284,45 @@ def test_a_steady_microbatch_fits_its_risk_from_its_own_plan():
     assert step()[0] == ["_bucket_key"]
     runtime.end_step()
     assert runtime.stats["microbatches"][-1]["actions"]["R"] > 0
+
+
+def _forward(model, seq: int = 16, adv=(1.0, 0.5, -0.5, -1.0)):
+    """A microbatch's forward and loss (its coefficients handed over): the loss, to backward."""
+    inputs = batch(batch_size=4, seq=seq)
+    ids = inputs["input_ids"]
+    logits = model(**inputs).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    return policy_loss(logp, logp.detach(), torch.tensor(adv), mask, loss_type="grpo",
+                       model=model).loss
+
+
+def test_the_late_read_stays_due_on_every_rank_whatever_took_the_flag_meanwhile():
+    """A microbatch of its own holds a late flag on every rank (NOTE [ A microbatch of its own ]
+    in ds_hilore/runtime/agreement.py): the next read is one all-reduce on every rank even where
+    an agreed microbatch's coefficients took the flag before its backward ran (two forwards
+    alive), or a read came between its forward and its backward -- what that backward leaves
+    is this rank's alone, so the read must not depend on it."""
+    collective = CountedCollective()
+    runtime, step = _steady_run(collective, PLANNED, steps=8)
+    assert runtime.policy.steady
+    first = _forward(step.model)  # its own
+    runtime.policy.hold_out()
+    second = _forward(step.model)  # agreed: its coefficients read the flags
+    assert "agree" in collective.calls
+    first.backward()
+    second.backward()
+    collective.calls.clear()
+    runtime.check_late()
+    assert collective.calls == ["flush"], collective.calls
+    runtime.end_step()
+    assert runtime.policy.steady
+    loss = _forward(step.model)  # its own
+    runtime.check_late()  # another optimizer's step, between its forward and its backward
+    loss.backward()  # nothing zero: its backward leaves no flag of its own
+    collective.calls.clear()
+    runtime.check_late()
+    assert collective.calls == ["flush"], collective.calls
 
 
 def test_a_length_no_planned_bucket_holds_runs_all_r_and_the_next_steps_agree():

@@ -109,7 +109,8 @@ class Scheduler:
         self.metering.begin_step()  # NOTE [ Memory that appears after profiling ]
         if self.expected is not None:  # NOTE [ A steady step agrees nothing before its forwards ]
             self.unsettled = True  # in steady.py: a prediction's rows are agreed before the forward
-        self.steady = self.steady and not self.passes.hold_out  # called on every rank alike
+        if self.steady and self.passes.hold_out:  # called on every rank alike; the steady part's
+            self.steady, self.fits = False, 0  # risk fits were each rank's (``after_step``)
         if self.steady:
             steady.begin_forward(self, args, kwargs)
             self.alloc_s += time.perf_counter() - begin

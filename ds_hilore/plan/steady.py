@@ -68,6 +68,8 @@ def riders(s) -> list[float]:
 def after_step(s, summed: list[float]) -> None:
     """The step's end, alike on every rank (``summed``: ``riders`` summed over ranks):
     whether the next step is steady."""
+    if s.steady:  # its risk fits were counted by each rank (a GC microbatch fits none): the
+        s.fits = 0  # next agreed one fits on every rank (``_fit_due``)
     unheld = [k for k, v in enumerate(summed[1:]) if v > 0]
     if unheld:
         s.pending = max(s.pending, 1 << max(unheld))

@@ -48,28 +48,29 @@ def unverified_rows_to_r(runtime, frames, zero_of, mb=None) -> None:
 # (NOTE [ A microbatch of its own ], below).
 # NOTE [ A microbatch of its own ]
 # Where a recompute issues no collective (ZeRO 0-2 through ``ds_hilore.initialize``: not
-# ``matched_calls``) and the ranks' plans need not be one -- a steady step (NOTE [ A steady
-# step agrees nothing before its forwards ] in plan/steady.py), or a plan set by hand
-# (``set_plan`` / ``force_plan``, no allocator) -- nothing a microbatch decides has to be every
-# rank's: which units a disproved elision or a failed check sends to R, which sequences are
-# elided, whether its layers' backward is skipped (each rank's backward is its own there), the
-# risk fit (this rank's plan). Such a microbatch (``Microbatch.local_checks``) makes no
-# collective from its forward to the end of its backward: the elision's all-reduce at the
-# coefficients is not made, nor the checks' at the top of the backward or at a layer. Only
-# an error must still be every rank's: a rank raising alone would leave the others waiting at
-# their next gradient reduction. So each rank keeps what it found -- a late leak, on the
-# device, and a row predicted zero with coefficients, on the host (its rows ran without
-# autograd: the backward reads nothing of them, their gradient is missing) -- and every rank
-# holds a late flag from the start of such a microbatch (``LateFlags.seed``: a host False
-# where nothing leaves one), so the next read, before any optimizer step (``check_late``, the
-# optimizer's pre-hook, ``end_step``, or the next agreed coefficients), is one all-reduce on
-# every rank and raises on every rank. A step of such microbatches thus makes one collective
-# of HiLoRe's at its end, where the ranks meet anyway, instead of one or two in each
-# microbatch between its forward and its backward -- a point where the faster rank waits for
-# the slower: on 2 layers of width 64 (0.2 s steps, 2 ranks), the microbatch's all-reduce took
-# 10 % of a step's time, kept with every layer stored (measured by ``hilore bench --model
-# tiny``). An error then comes at the step's end rather than at the next microbatch's
-# coefficients, still before any optimizer step.
+# ``matched_calls``) and the ranks' plans need not be one -- a steady step
+# (NOTE [ A steady step agrees nothing before its forwards ] in plan/steady.py), or a plan set by
+# hand (``set_plan`` / ``force_plan``, no allocator) -- nothing a microbatch decides has to be every
+# rank's: which units a disproved elision or a failed check sends to R, which sequences are elided,
+# whether its layers' backward is skipped (each rank's backward is its own there), the risk fit
+# (this rank's plan). Such a microbatch (``Microbatch.local_checks``) makes no collective from its
+# forward to the end of its backward: the elision's all-reduce at the coefficients is not made, nor
+# the checks' at the top of the backward or at a layer. Only an error must still be every rank's: a
+# rank raising alone would leave the others waiting at their next gradient reduction. So each rank
+# keeps what it found -- a late leak, on the device, and a row predicted zero with coefficients, on
+# the host (its rows ran without autograd: the backward reads nothing of them, their gradient is
+# missing) -- and every rank holds a late flag from the start of such a microbatch
+# (``LateFlags.seed``: a host False where nothing leaves one), so the next read before any optimizer
+# step (``check_late``, the optimizer's pre-hook, ``end_step``) is one all-reduce on every rank and
+# raises on every rank -- even where an agreed microbatch's coefficients took the flag meanwhile
+# (two forwards alive), and, where a read came between such a microbatch's forward and its backward,
+# the top of that backward holds one again (``reseed``): what a backward leaves is this rank's
+# alone. A step of such microbatches thus makes one collective of HiLoRe's at its end, where the
+# ranks meet anyway, instead of one or two in each microbatch between its forward and its backward
+# -- a point where the faster rank waits for the slower. On 2 layers of width 64 (0.2 s steps, 2
+# ranks, every unit stored), that meeting put HiLoRe 8 % behind no checkpointing; without it,
+# 3.5-5 % (``hilore bench --model tiny``). An error then comes at the step's end rather than at
+# the next microbatch's coefficients, still before any optimizer step.
 class Flags(NamedTuple):
     """What each rank brings to the elision's all-reduce besides the unit flags, OR-ed over
     ranks there: an earlier backward leaked (late.py), a sequence found zero (a late read

@@ -346,6 +346,7 @@ class LayerCalls:
         return out
 
     def _gc_top_grad(self, mb: Microbatch, grad: torch.Tensor) -> None:
+        self._elision.late.reseed(mb)
         self.policy.top_grad(mb, grad)
 
     def elision_mode(self, device: torch.device) -> bool | str:
@@ -404,6 +405,7 @@ class LayerCalls:
                 self._mb.local_checks = self.collective is not None and not self.matched_calls
             if self._mb.local_checks:  # NOTE [ A microbatch of its own ] in agreement.py
                 self._elision.late.seed()
+                self._mb.late_reads = self._elision.late.reads
         return self._mb
 
     def _summarise(self, mb: Microbatch) -> None:

@@ -131,11 +131,12 @@ class Elision:
         # sequences are zero, which units saw a capture-time elision disproved or a check
         # failed, whether an earlier backward leaked, and the risk of every unit (the policy's)
         disproved = any(v != 0 for v in disproved)
+        earlier = not local and self.late.take_disproved()  # a microbatch of its own's, before
         agreed = agree(self.runtime, frames, all_zero, lambda frame, every_zero: elidable_rows(
             frame, every_zero, zero if every_zero or mode != "whole" else [], segments, source),
             mb.check_failures(checks, held), Flags(
                 any(v != 0 for v in late), bool(zero),
-                disproved or (not local and self.late.take_disproved()), mb.split is not None),
+                disproved or earlier, mb.split is not None),
             risks, local)
         all_zero, to_r, failed, flags, risks = agreed
         # NOTE [ A late read, due on every rank ] (late.py); a split's merges leave flags too
@@ -229,6 +230,7 @@ class Elision:
         below a microbatch whose layers' backward is skipped: NOTE [ A backward of zeros ] in
         zero_backward.py)."""
         if last:
+            self.late.reseed(mb)  # NOTE [ A microbatch of its own ] in agreement.py
             self._on_hidden_grad(mb, grad)
             if mb.source is None:  # no coefficients came: nothing proves the capture's elisions
                 unverified_rows_to_r(self.runtime, mb.live_frames(), lambda frame: set(), mb)

@@ -16,8 +16,10 @@ nothing -- and every read of the flags (with the next coefficients, ``check_late
 and raises on every rank. A step with no sequence found zero on any rank leaves no flag: no
 read, and no all-reduce. A microbatch whose decisions are its rank's own agrees nothing at its
 coefficients, so every rank holds a flag from its start instead (NOTE [ A microbatch of its
-own ] in agreement.py): the step's read is then made on every rank, whatever each found. The
-pre-hook reads the runtimes in the order they were attached (the same on every rank).
+own ] in agreement.py): the step's read is then made on every rank, whatever each found -- and
+so is the pre-hook's at any torch optimizer's step after such a step: an optimizer that steps on
+some ranks only would wait there for the others. The pre-hook reads the runtimes in the order
+they were attached (the same on every rank).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class LateFlags:
         # a row predicted zero had coefficients in a microbatch of this rank's own (NOTE
         # [ A microbatch of its own ] in agreement.py): raised at the next read, on every rank
         self.disproved = False
+        # such a microbatch began since the last read, on every rank alike: the next read is
+        # one all-reduce on every rank, whatever took the flag meanwhile
+        self.seeded = False
+        self.reads = 0  # reads so far (``flush``), the same count on every rank
 
     def defer(self, mb) -> None:
         """The end of a backward: its per-layer flags folded into one, on the device, read with
@@ -62,13 +68,24 @@ class LateFlags:
         rank holds a flag -- a host False where nothing else leaves one."""
         if self.flag is None:
             self.flag = torch.zeros((), dtype=torch.bool)
+        self.seeded = True  # (a microbatch records ``reads`` here: ``reseed``)
         _PENDING.add(self)
         _watch_optimizers()
 
+    def reseed(self, mb) -> None:
+        """The top of a backward of ``mb``, on every rank alike: where a read came between its
+        forward and its backward (another optimizer's step), a microbatch of this rank's own
+        holds a flag again, so that what its backward leaves is read on every rank."""
+        if mb.local_checks and mb.late_reads != self.reads:
+            mb.late_reads = self.reads
+            self.seed()
+
     def take(self) -> torch.Tensor | None:
-        """The flags, handed over to be read with others (``Elision.apply``)."""
+        """The flags, handed over to be read with others (``Elision.apply``); a read stays due
+        where a microbatch of this rank's own began since the last (``seed``)."""
         flag, self.flag = self.flag, None
-        _PENDING.discard(self)
+        if not self.seeded:
+            _PENDING.discard(self)
         return flag
 
     def take_disproved(self) -> bool:
@@ -82,11 +99,13 @@ class LateFlags:
         due on every rank ]); raises on every rank if one is set on any: a leak is this rank's,
         while the gradients about to be stepped on are every rank's once data parallelism
         reduced them. Every rank calls it at the same point."""
-        flag = self.take()
-        disproved = self.take_disproved()
-        if flag is None:
+        self.reads += 1
+        flag, seeded, disproved = self.take(), self.seeded, self.take_disproved()
+        self.seeded = False
+        _PENDING.discard(self)
+        if flag is None and not seeded:
             return
-        leaked = bool(flag)
+        leaked = flag is not None and bool(flag)
         if self.runtime.collective is not None:
             leaked, disproved = (v > 0 for v in self.runtime.collective.all_reduce_max(
                 [int(leaked), int(disproved)]))

@@ -30,6 +30,7 @@ class Microbatch:
         # of a steady step, whose plan may not be the other ranks' (NOTE [ A steady step agrees
         # nothing before its forwards ] in plan/steady.py)
         self.local_checks = False
+        self.late_reads = 0  # the late flags' reads when it began (``LateFlags.reseed``)
         self.codec = runtime._codec
         self.min_pack_numel = runtime.config.min_pack_numel
         self.derive = runtime.config.derive_pointwise  # NOTE [ Derived tensors ] (derived.py)
