@@ -24,6 +24,7 @@ import ds_hilore
 from ds_hilore import HiLoReError
 from ds_hilore.grpo import policy_loss
 from ds_hilore.plan.metering import MAX_PARTIAL
+from ds_hilore.plan.prediction import KEPT
 
 PACKAGE = str(Path(ds_hilore.__file__).parent)
 LOSS = str(Path(ds_hilore.__file__).parent / "grpo" / "policy.py")  # its input checks, metrics
@@ -163,14 +164,14 @@ AS_GC = {"memory_budget": 1.0, "codec_backend": "eager", "profile_microbatches":
 
 
 def _steady_run(collective: "CountedCollective", config: dict = AS_GC,
-                reads: DeviceReads | None = None, steps: int = 4):
-    """A LoRA model whose runtime agrees over ``collective`` (ranks that all agree), stepped
+                reads: DeviceReads | None = None, steps: int = 4, model=None):
+    """A LoRA model (or ``model``) whose runtime agrees over ``collective`` (ranks that all agree), stepped
     with ``end_step`` until its steps are steady (NOTE [ A steady step agrees nothing before
     its forwards ] in ds_hilore/plan/steady.py), at most ``steps``. Returns (runtime, step(seq)):
     one microbatch of ``seq`` positions, forward and backward, and the collective calls made
     before its first layer's forward and in all (``reads``, counting while active: the reads
     before that forward in ``reads.before``)."""
-    model = with_lora(tiny_model("llama", layers=2, hidden=64, intermediate=128))
+    model = model or with_lora(tiny_model("llama", layers=2, hidden=64, intermediate=128))
     runtime = ds_hilore.attach(model, config)
     runtime.collective = collective  # after attach: ZeRO 0-2's, whose module calls are their own
     before_first: list[int] = []
@@ -343,7 +344,9 @@ def test_a_length_no_planned_bucket_holds_runs_all_r_and_the_next_steps_agree():
 def test_a_steady_step_runs_a_bucket_as_gc_beside_one_that_runs_its_plan(monkeypatch):
     """One bucket timed no faster than GC (leave-one-out's verdict, fixed here), another running
     its plan: the steps are steady all the same, each microbatch run as its own bucket says --
-    as GC, or by its plan -- and neither agrees anything (NOTE [ A microbatch of its own ] in
+    all R through HiLoRe's frames (not as GC: every rank fires the gradient hooks in one order,
+    NOTE [ One order of gradient hooks on every rank ] in ds_hilore/plan/steady.py), or by its
+    plan -- and neither agrees anything (NOTE [ A microbatch of its own ] in
     ds_hilore/runtime/agreement.py)."""
     from ds_hilore.plan.scheduler import Scheduler
 
@@ -359,7 +362,7 @@ def test_a_steady_step_runs_a_bucket_as_gc_beside_one_that_runs_its_plan(monkeyp
             break
     assert runtime.policy.steady and not runtime.policy.steady_as_gc
     assert set(runtime.policy.buckets) == {(4, 16), (4, 32)}
-    assert step(seq=32) == ([], []) and runtime._mb.as_gc
+    assert step(seq=32) == ([], []) and not runtime._mb.as_gc and runtime._mb.local_checks
     assert step() == ([], []) and not runtime._mb.as_gc and runtime._mb.local_checks
     runtime.end_step()
     assert runtime.policy.steady and not runtime.stats["warm_up"]
@@ -394,12 +397,49 @@ def test_a_shorter_shape_in_a_steady_step_makes_the_next_step_agree():
     assert step(seq=8)[0] == ["_bucket_key"]
 
 
-def test_a_prediction_is_used_from_a_step_that_agrees_and_keeps_the_steps_agreeing():
-    """``expect`` before a steady step's forward: its rows are agreed before the forward, so
-    that step runs without it, and the next steps agree while predictions come."""
+def test_a_prediction_in_a_steady_step_is_this_ranks_own_and_the_steps_stay_steady(monkeypatch):
+    """``expect`` before a steady step's forward: the microbatch's rows and plan come from this
+    rank's prediction alone (ZeRO 0-2: each rank's plan is its own; NOTE [ Freed memory is
+    spent ] in ds_hilore/plan/prediction.py) -- its rows predicted zero run apart, without
+    autograd (NOTE [ Kept rows only ] in ds_hilore/runtime/rows.py) -- nothing is agreed or
+    read before its first layer's forward, nor agreed in it, and the steps stay steady while
+    predictions come. A wrong one (a row predicted zero has coefficients) is raised on every
+    rank before the optimizer step."""
+    reads = DeviceReads(monkeypatch)
+    collective = CountedCollective()
+    model = tiny_model("llama", layers=2, hidden=64, intermediate=128, dropout=False)
+    runtime, step = _steady_run(collective, PLANNED, reads=reads, steps=8, model=model)
+    assert runtime.policy.steady and not runtime.policy.steady_as_gc
+    for _ in range(2):
+        runtime.expect([1.0, 0.0, 1.0, 0.0])
+        reads.where.clear()
+        reads.active = True
+        assert step(adv=(1.0, 0.0, -0.5, 0.0)) == ([], [])
+        reads.active = False
+        assert reads.before == [], reads.before
+        assert runtime._mb.local_checks and runtime._mb.split.kept == [0, 2]
+        assert runtime.policy.step_stats["predicted_microbatches"] == 1
+        collective.calls.clear()
+        runtime.check_late()
+        assert collective.calls == ["flush"], collective.calls
+        runtime.end_step()
+        assert runtime.policy.steady and runtime.stats["steady"]
+        assert runtime.stats["microbatches"][-1]["kept_rows"] == [0, 2]
+    runtime.expect([1.0, 0.0, 1.0, 1.0])  # row 1 has coefficients
+    assert step() == ([], [])
+    with pytest.raises(HiLoReError, match="predicted"):
+        runtime.check_late()
+
+
+def test_where_every_bucket_runs_as_gc_a_prediction_makes_the_next_step_agree():
+    """Every bucket runs as GC: a steady step's microbatch runs as GC on every rank, a
+    prediction's too (a rank that split its rows would fire the gradient hooks in another order
+    than the ranks run as GC: NOTE [ One order of gradient hooks on every rank ] in
+    ds_hilore/plan/steady.py); the next step agrees, and uses the predictions."""
     runtime, step = _steady_run(CountedCollective())
     runtime.expect([1.0, 0.0, 1.0, 1.0])
-    assert step()[0] == [] and runtime.policy.step_stats.get("predicted_microbatches", 0) == 0
+    assert step()[0] == [] and runtime._mb.as_gc
+    assert runtime.policy.step_stats.get("predicted_microbatches", 0) == 0
     for _ in range(2):
         runtime.end_step()
         assert not runtime.policy.steady

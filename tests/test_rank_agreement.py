@@ -150,3 +150,41 @@ def test_steady_steps_run_each_ranks_own_plan_with_its_own_checks_and_train_exac
             assert got[0]["hilore"]["kept"][5] > 0  # rank 0 ran 4x32's plan there
     assert got[0]["hilore"]["buckets"] == got[1]["hilore"]["buckets"]
     assert got[1]["hilore"]["kept"][5] == 0  # rank 1's 48: no plan is priced for it
+
+
+def test_steady_steps_run_each_ranks_own_prediction_and_train_exactly(ranks):
+    """A prediction in a steady step is this rank's own (NOTE [ Freed memory is spent ] in
+    ds_hilore/plan/prediction.py): once 4x16 is settled, the steps stay steady while
+    predictions come, and each rank runs the rows its own prediction keeps -- two of four, or
+    all -- and skips the layers' backward of a microbatch predicted zero (NOTE [ A microbatch
+    predicted zero ]; agreed, it would keep a row of it), with nothing agreed. No hang; parameters
+    bitwise those of the run without HiLoRe (H and R are exact; rows run apart are too at this
+    width and length, NOTE [ Kept rows only ] in ds_hilore/runtime/rows.py)."""
+    got = [_case(r, "local_predictions") for r in ranks]
+    predicted = sum(1 for *_, predict in worker.LOCAL_PREDICTIONS if predict)
+    for rank in got:
+        hilore, off = rank["hilore"], rank["off"]
+        assert hilore["raised"] == [None] * len(worker.LOCAL_PREDICTIONS), hilore
+        assert hilore["params"] == off["params"]
+        assert hilore["steady"][-predicted:] == [True] * predicted, hilore
+        assert hilore["local"][-predicted:] == [True] * predicted, hilore
+    assert got[0]["hilore"]["kept"][-predicted:] == [[0, 2], None] * (predicted // 2)
+    assert got[1]["hilore"]["kept"][-predicted:] == [None, [0, 2]] * (predicted // 2)
+    assert got[1]["hilore"]["skipped"][-predicted:] == [1, 0] * (predicted // 2)
+    assert got[0]["hilore"]["skipped"][-predicted:] == [0, 0] * (predicted // 2)
+
+
+def test_a_steady_step_with_a_gc_bucket_on_one_rank_fires_the_hooks_in_one_order(ranks):
+    """NOTE [ One order of gradient hooks on every rank ]: in steady steps with one rank on a
+    bucket that runs as GC and the other on one that runs its plan, the first runs all R
+    through HiLoRe's frames (as GC it would fire the final norm's and the LM head's gradient
+    hooks in the other order, and ZeRO-2 would sum one's gradient with the other's). No hang;
+    parameters bitwise those of the run without HiLoRe."""
+    got = [_case(r, "local_mixed") for r in ranks]
+    mixed = len(worker.LOCAL_MIXED) - 7  # the first mixed step may still agree
+    for rank in got:
+        hilore, off = rank["hilore"], rank["off"]
+        assert hilore["raised"] == [None] * len(worker.LOCAL_MIXED), hilore
+        assert hilore["steady"][-mixed:] == [True] * mixed, hilore
+        assert not any(hilore["as_gc"][-mixed:]), hilore
+        assert hilore["params"] == off["params"]

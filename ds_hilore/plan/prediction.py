@@ -24,7 +24,8 @@ def row_values(s, length: int) -> list[float]:
     whether a zero microbatch's layers' backward is not known to be skipped; whether a row is
     predicted zero here and the rows can be split, and whether they cannot (NOTE [ Kept rows
     only ] in runtime/rows.py). Agreed over ranks with the bucket: one all-reduce before the
-    forward, whatever it plans."""
+    forward, whatever it plans; in a steady step not agreed (NOTE [ A steady step agrees
+    nothing before its forwards ] in steady.py)."""
     expected, rows = s.expected, s.rows_here
     mode = s.runtime.elision_mode(s._device())  # NOTE [ Stand-ins on accelerators ]
     can = s.runtime.can_split() and runtime_rows.splittable(rows, length)
@@ -44,10 +45,10 @@ def row_values(s, length: int) -> list[float]:
 
 
 def splits(s) -> bool:
-    """Whether some rank runs its rows apart (agreed: the same on every rank): every rank has
-    a prediction and can split, one has a row predicted zero, and not every rank's microbatch
-    is predicted zero where its layers' backward is skipped instead (NOTE [ A microbatch
-    predicted zero ])."""
+    """Whether some rank runs its rows apart (agreed: the same on every rank; in a steady step,
+    whether this rank does): every rank has a prediction and can split, one has a row predicted
+    zero, and not every rank's microbatch is predicted zero where its layers' backward is
+    skipped instead (NOTE [ A microbatch predicted zero ])."""
     agreed = s.rows_agreed
     if len(agreed) <= CANNOT_SPLIT or agreed[MISSING] or agreed[CANNOT_SPLIT] \
             or not agreed[ZERO_HERE]:
@@ -98,7 +99,10 @@ def plan_for_rows(s, bucket: Bucket, shared: bool, split: bool) -> Plan:
     tensors keep their full price, so the plan stays within the bucket's headroom (the zero
     rows' layer inputs, which a split does not keep either, are left in its price). The same
     on every rank: the worst case over ranks (most rows kept, largest rho; one row where a
-    split keeps one of a microbatch predicted zero) is planned for.
+    split keeps one of a microbatch predicted zero) is planned for -- but in a steady step,
+    where each rank's plan is its own (ZeRO 0-2: NOTE [ A steady step agrees nothing before its
+    forwards ] in steady.py), for this rank's own prediction, with nothing agreed: a rank whose
+    rows are mostly zero keeps more of the others than the worst case would let it.
 
     NOTE [ One recompute set under ZeRO-3 ]
     ZeRO-3 records the order in which a forward and backward fetch submodules (its trace) and,
@@ -120,22 +124,22 @@ def plan_for_rows(s, bucket: Bucket, shared: bool, split: bool) -> Plan:
     order for that micro-step: correctness first, a trace recorded again.
 
     NOTE [ A microbatch predicted zero ]
-    When no sequence of any rank is kept (all predicted 0), the plan is all R instead of all
-    E. Neither keeps more than the layers' inputs, but E still runs every kept unit's capture
-    in the forward (token norms, storage records, derived-tensor checks) and the backward
-    decodes a stand-in per storage and re-derives its pointwise tensors from them; R captures
-    nothing, and once ω shows every sequence zero its backward skips the recompute and reads
-    stand-ins (NOTE [ Exact zeros ] in runtime/storage.py), and the layers' backward is skipped
-    (NOTE [ A backward of zeros ] in runtime/zero_backward.py). Measured on ``hilore bench
-    --model paper-cpu`` steps (one profile for every method, two torch threads, idle CPU, 40
-    paired rounds): the step x1.090 faster than with E (95 % CI 1.044-1.154), which had left
-    it behind the exposure-blind allocator (x0.950), although that one packs the microbatch's
-    units before ω shows them zero; now ahead of it (x1.036, 1.015-1.070).
-    Only while the skip is known to happen -- the last microbatch's ω came from the loss (the
-    analytic source; a hidden-gradient one never skips a recompute), and the ZeRO stage lets a
-    rank skip (not 3) -- on every rank; else such a microbatch runs its layers over one row
-    (NOTE [ Kept rows only ]) where rows can be split, or stays E, checked after the forward as
-    before. A wrong prediction costs time only: R recomputes."""
+    When no sequence of any rank is kept (all predicted 0; in a steady step, of this rank), the
+    plan is all R instead of all E. Neither keeps more than the layers' inputs, but E still
+    runs every kept unit's capture in the forward (token norms, storage records, derived-tensor
+    checks) and the backward decodes a stand-in per storage and re-derives its pointwise
+    tensors from them; R captures nothing, and once ω shows every sequence zero its backward
+    skips the recompute and reads stand-ins (NOTE [ Exact zeros ] in runtime/storage.py), and
+    the layers' backward is skipped (NOTE [ A backward of zeros ] in runtime/zero_backward.py).
+    Measured on ``hilore bench --model paper-cpu`` steps (one profile for every method, two
+    torch threads, idle CPU, 40 paired rounds): the step x1.090 faster than with E (95 % CI
+    1.044-1.154), which had left it behind the exposure-blind allocator (x0.950), although that
+    one packs the microbatch's units before ω shows them zero; now ahead of it (x1.036,
+    1.015-1.070). Only while the skip is known to happen -- the last microbatch's ω came from
+    the loss (the analytic source; a hidden-gradient one never skips a recompute), and the ZeRO
+    stage lets a rank skip (not 3) -- on every rank; else such a microbatch runs its layers
+    over one row (NOTE [ Kept rows only ]) where rows can be split, or stays E, checked after
+    the forward as before. A wrong prediction costs time only: R recomputes."""
     batch = bucket.key[0]
     # ``row_values`` as agreed with the bucket (``_bucket_key``); ``shared``: the bucket
     # lets a prediction elide (the same on every rank)

@@ -107,8 +107,6 @@ class Scheduler:
         begin = time.perf_counter()
         self.metering.end_windows()
         self.metering.begin_step()  # NOTE [ Memory that appears after profiling ]
-        if self.expected is not None:  # NOTE [ A steady step agrees nothing before its forwards ]
-            self.unsettled = True  # in steady.py: a prediction's rows are agreed before the forward
         if self.steady and self.passes.hold_out:  # called on every rank alike; the steady part's
             self.steady, self.fits = False, 0  # risk fits were each rank's (``after_step``)
         if self.steady:
@@ -134,6 +132,8 @@ class Scheduler:
             self._finish_loo(bucket)
         self.timing = None
         self.runtime.gc_forward = self._runs_as_gc(bucket)  # NOTE [ Never slower than GC ] in validate.py
+        if self.expected is not None and self._runs_as_gc(bucket, unpredicted=True):
+            self.unsettled = True  # steady, it would run as GC without it (steady.py)
         exact = not self.runtime.gc_forward and \
             self.passes.begin_forward(args, kwargs, bucket, replayable)
         if self.passes.fresh and self.passes.job.kind == "calibrate":
@@ -407,7 +407,7 @@ class Scheduler:
                 n: ("R" if layer_of.get(n) == recompute_layer else a) for n, a in plan.actions.items()})
         expected = self.expected if self.expected is not None and len(self.expected) == batch else None
         mode = self.runtime.elision_mode(self._device())  # NOTE [ Stand-ins on accelerators ]
-        split = steady and prediction.splits(self)  # the same on every rank
+        split = steady and prediction.splits(self)  # every rank's, or in a steady step its own
         # "whole": only where the backward will be skipped -- not under ZeRO-3, nor on a
         # microbatch leave-one-out times (``_may_skip`` in elision.py); nothing is short where
         # every unit is stored whole (keeps_whole)
@@ -501,8 +501,9 @@ class Scheduler:
     def _runs_as_gc(self, bucket: Bucket, unpredicted: bool = False) -> bool:
         """NOTE [ Never slower than GC ] in validate.py: timed no faster than GC, or a plan that
         keeps nothing (with no prediction whose zeros it could elide): the bucket runs as
-        gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank.
-        ``unpredicted``: as it runs without a prediction (a steady step's)."""
+        gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank (in a
+        steady step, where the prediction is this rank's own, this rank's).
+        ``unpredicted``: as it runs without a prediction."""
         plan = bucket.plan
         if plan is None or (not unpredicted and prediction.splits(self)):
             return False

@@ -41,18 +41,39 @@ logger = logging.getLogger("ds_hilore")
 # rank is read once, before the optimizer step, on every rank (every rank holds a late flag
 # then), and the step's end agrees the next step. Where every bucket runs as gradient
 # checkpointing (NOTE [ Never slower than GC ] in validate.py: small layers, short
-# microbatches) a steady microbatch runs as GC, and so does one whose bucket does where others
-# run their plans (nothing in either is agreed). A length that no bucket holds runs all R (as
-# GC where every bucket does) and keeps the steps agreeing until it comes again and gets its
-# bucket; a shape held by a longer bucket that runs as GC makes the next step agree too, to
-# give it its own (it may be one HiLoRe wins on). A prediction handed to
-# ``expect`` (its rows are agreed before the forward: NOTE [ Freed memory is spent ]) is used
-# from the next step, which agrees. ``hold_out``, called on every rank at the same point, ends
+# microbatches) a steady microbatch runs as GC; where some bucket runs its plan, one whose
+# bucket runs as GC runs all R through HiLoRe's frames instead, as a length that no bucket holds
+# does (NOTE [ One order of gradient hooks on every rank ], below). Such a length keeps the
+# steps agreeing until it comes again and gets its bucket; a shape held by a longer bucket that
+# runs as GC makes the next step agree too, to give it its own (it may be one HiLoRe wins on).
+# A prediction handed to ``expect`` is this rank's own too: its rows (which run apart, NOTE
+# [ Kept rows only ] in runtime/rows.py, which are elided) and the plan re-solved for them come
+# from this rank's prediction alone (NOTE [ Freed memory is spent ] in prediction.py), where a
+# step that agrees plans every rank for the worst case over ranks; a rank whose microbatch is
+# predicted zero runs it all R, its layers' backward skipped where a rank may skip its own
+# (NOTE [ A microbatch predicted zero ]), while the others run theirs. Where every bucket runs
+# as GC, a prediction is not used in the steady step (the ranks without one run as GC) and
+# makes the next step agree, whose ranks split their rows together; so do the steps after it
+# while predictions come to a bucket that runs as GC. ``hold_out``, called on every rank at the same point, ends
 # the steady step there; a resumed run agrees its first step; one process has nothing to agree.
 # The agreement saved is small on a CPU (an all-reduce of a few values between 2 gloo
 # processes: 0.5-2 ms, plus the wait for the slower rank), but it is a point where every rank
 # waits for the others before its forward, and on an accelerator the forward's first kernels
 # wait behind it.
+
+# NOTE [ One order of gradient hooks on every rank ]
+# ZeRO-1/2 reduce gradients from the hooks autograd fires as each parameter's gradient is
+# accumulated: DeepSpeed copies the gradients into a bucket in the order the hooks fire and
+# reduces the bucket's slices by position, so every rank must fire them in one order -- two
+# parameters swapped on one rank sum one's gradient with the other's, silently, where their
+# slices have the same size. A microbatch run as GC (HiLoRe's hooks out of the way) and one run
+# through HiLoRe's frames do not fire them in one order: on a 2-layer Qwen2, the final norm's
+# weight before the LM head's through frames, after it as GC (the layers' own hooks in the same
+# order under H, R and rows run apart). A step that agrees runs one path on every rank; a
+# steady step runs as GC on every rank (every bucket runs as GC) or through frames on every rank,
+# a microbatch whose bucket runs as GC then all R, what GC keeps (paying HiLoRe's host path over
+# GC's there, the price of a step that agrees nothing). Found by a 2-rank ZeRO-2 run whose
+# parameters after a steady step with one rank on each path differed from GC's.
 SLOTS = 48  # one per power of two of a length no bucket held
 
 
@@ -82,8 +103,8 @@ def after_step(s, summed: list[float]) -> None:
     if s.steady and not s.said_steady:
         s.said_steady = True
         logger.info("ds_hilore: every shape met so far is planned%s: from step %d the ranks "
-                    "agree nothing before a microbatch's forward (a new shape or a prediction "
-                    "makes the next step agree again).",
+                    "agree nothing before a microbatch's forward (a new shape makes the next "
+                    "step agree again).",
                     " and runs as gradient checkpointing" if s.steady_as_gc else "", s.steps)
 
 
@@ -111,26 +132,29 @@ def begin_forward(s, args, kwargs) -> None:
     its forwards ])."""
     s.rows_here, length = input_shape(args, kwargs)
     s.runtime._split_next = None
-    s.expected = None  # ``expect`` marked the step unsettled: used from the next one
     s.shortest = s.longest = s.length_here = int(length)
-    s.rows_agreed = list(prediction.row_values(s, length))  # no prediction: nothing to agree
+    s.rows_agreed = list(prediction.row_values(s, length))  # this rank's own: nothing agreed
     key = (int(s.rows_here), rounded_length(length))
     bucket = holding(s.buckets, key)
-    as_gc = s.steady_as_gc if bucket is None else s._runs_as_gc(bucket, unpredicted=True)
-    if bucket is None or (as_gc and bucket.key[1] != key[1]):
+    predicted = not s.rows_agreed[prediction.MISSING]
+    bucket_gc = s.steady_as_gc if bucket is None else s._runs_as_gc(bucket, unpredicted=True)
+    if bucket is None or (bucket_gc and bucket.key[1] != key[1]):
         s.unsettled = True  # a shape of its own: learnt next step
+    if s.steady_as_gc and predicted:  # every rank runs as GC: this one too, and the next step
+        s.unsettled = True  # agrees whether the ranks split their rows
     if bucket is None:
         s.unheld = max(s.unheld, key[1])
         s.warm_up("unplanned")
     s.bucket = bucket or max(s.buckets.values(), key=lambda b: (b.key[1], b.key[0]))
     s.timing, s.passes.fresh, s.applied, s.predicted_zero = None, False, None, False
-    s.runtime.gc_forward = as_gc
-    if as_gc:
-        return
-    if bucket is None:  # no plan is priced for it: it keeps what GC keeps, through frames
-        s.runtime.apply_plan("R")
-    else:
+    s.runtime.gc_forward = s.steady_as_gc  # NOTE [ One order of gradient hooks on every rank ]
+    if s.steady_as_gc:
+        pass
+    elif bucket is None or s._runs_as_gc(bucket, unpredicted=not predicted):
+        s.runtime.apply_plan("R")  # what GC keeps, through frames
+    else:  # a prediction's rows and plan are this rank's (NOTE [ Freed memory is spent ])
         s._apply(bucket, steady=True)
+    s.expected = None  # a prediction is for this microbatch only
 
 
 def holding(buckets: dict, key: tuple[int, int]) -> Bucket | None:

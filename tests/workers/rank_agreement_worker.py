@@ -33,9 +33,11 @@ ds_hilore/runtime/agreement.py). Run by tests.launch.run_distributed; each ``--c
   one rank's last layer runs through its full frame (the shape's first call) and the other's
   keeps nothing: both must make that all-reduce at the same point.
 
-* ``local_buckets``, ``local_plans``: steady steps (NOTE [ A steady step agrees nothing before
-  its forwards ]), each rank on the bucket of its own shape: every bucket run as GC, then every
-  bucket run by its plan, with sequences found zero on one rank only (their docstrings).
+* ``local_buckets``, ``local_plans``, ``local_predictions``, ``local_mixed``: steady steps (NOTE
+  [ A steady step agrees nothing before its forwards ]), each rank on the bucket of its own
+  shape: every bucket run as GC, then every bucket run by its plan, with sequences found zero on
+  one rank only, then with predictions whose zero rows differ by rank, then a bucket run as GC
+  beside one run by its plan (their docstrings).
 
 Each rank reports, per case, what ``engine.step()`` raised (or null) at each step, HiLoRe's
 ``backward_skipped`` count, and the SHA-256 of the parameters at the end.
@@ -287,10 +289,90 @@ def local_plans(port: int) -> dict:
     return got
 
 
+# (rank 0's advantages, rank 1's, whether each hands them over before the forward) per step of
+# ``local_predictions``: four steps settle 4x16, then predictions whose zero rows differ by rank
+# (rank 1's whole microbatch zero, then rank 0 with none)
+_NONE, _TWO, _ALL = [1.0, -1.0, 0.5, -0.5], [1.0, 0.0, -0.5, 0.0], [0.0, 0.0, 0.0, 0.0]
+LOCAL_PREDICTIONS = ((_NONE, _NONE, False),) * 4 + ((_TWO, _ALL, True), (_NONE, _TWO, True)) * 3
+
+
+def local_predictions(port: int) -> dict:
+    """Predictions handed to ``expect`` in steady steps (NOTE [ Freed memory is spent ] in
+    ds_hilore/plan/prediction.py): each rank's rows and plan come from its own prediction, so
+    one rank runs two rows of four, or skips the layers' backward of a microbatch predicted
+    zero, while the other runs its whole microbatch, with nothing agreed. Also run with HiLoRe
+    off (the reference)."""
+    got = {}
+    for mode in ("hilore", "off"):
+        block = {"memory_budget": 4.0, "profile_microbatches": 1, "calibration_microbatches": 0,
+                 "plan_validation_microbatches": 0} if mode == "hilore" else {"enabled": False}
+        engine = _engine(port, 2, 4, block)
+        rank = dist.get_rank()
+        raised, steady, local, kept, skipped = [], [], [], [], []
+        for step, (*advantages, predict) in enumerate(LOCAL_PREDICTIONS):
+            ids = torch.randint(3, VOCAB, (4, 16),  # rows apart are bitwise the batch's here
+                                generator=torch.Generator().manual_seed(10 * step + rank))
+            adv = torch.tensor(advantages[rank])
+            if predict and engine.hilore is not None:
+                engine.hilore.expect([abs(a) for a in advantages[rank]])
+            raised.append(_step(engine, _loss(engine, ids, adv)))
+            if engine.hilore is not None:
+                stats = engine.hilore.stats
+                steady.append(stats["steady"])
+                local.append(engine.hilore._mb.local_checks)
+                kept.append(stats["microbatches"][-1]["kept_rows"])
+                skipped.append(stats["microbatches"][-1]["backward_skipped"])
+        got[mode] = {"raised": raised, "steady": steady, "local": local, "kept": kept,
+                     "skipped": skipped, "params": _digest(engine)}
+        engine.destroy()
+    return got
+
+
+# (rank 0's length, rank 1's) per step of ``local_mixed``: 4x16 and 4x32 settle, then steady
+# steps with one rank on each
+LOCAL_MIXED = ((16, 16),) * 3 + ((32, 32),) * 3 + ((32, 16), (16, 32)) * 2
+
+
+def local_mixed(port: int) -> dict:
+    """Steady steps with one rank on a bucket that runs as GC (4x32, its verdict fixed here) and
+    the other on one that runs its plan (4x16): the first runs all R through HiLoRe's frames,
+    not as GC, so that both fire their gradient hooks in one order (NOTE [ One order of
+    gradient hooks on every rank ] in ds_hilore/plan/steady.py). Also run with HiLoRe off."""
+    from ds_hilore.plan.scheduler import Scheduler
+
+    runs_as_gc = Scheduler._runs_as_gc
+    Scheduler._runs_as_gc = lambda self, bucket, unpredicted=False: (
+        bucket.key == (4, 32) or runs_as_gc(self, bucket, unpredicted))
+    got = {}
+    try:
+        for mode in ("hilore", "off"):
+            block = {"memory_budget": 4.0, "profile_microbatches": 1,
+                     "calibration_microbatches": 0, "plan_validation_microbatches": 0} \
+                if mode == "hilore" else {"enabled": False}
+            engine = _engine(port, 2, 4, block)
+            rank = dist.get_rank()
+            raised, steady, as_gc, kept = [], [], [], []
+            for step, lengths in enumerate(LOCAL_MIXED):
+                ids = torch.randint(3, VOCAB, (4, lengths[rank]),
+                                    generator=torch.Generator().manual_seed(10 * step + rank))
+                raised.append(_step(engine, _loss(engine, ids, torch.tensor(_NONE))))
+                if engine.hilore is not None:
+                    steady.append(engine.hilore.stats["steady"])
+                    as_gc.append(engine.hilore._mb.as_gc)
+                    kept.append(engine.hilore.stats["actions"]["H"])
+            got[mode] = {"raised": raised, "steady": steady, "as_gc": as_gc, "kept": kept,
+                         "params": _digest(engine)}
+            engine.destroy()
+    finally:
+        Scheduler._runs_as_gc = runs_as_gc
+    return got
+
+
 CASES = {"late_leak": late_leak, "late_leak_two_engines": late_leak_two_engines,
          "packed_skip": packed_skip, "stopped_short": stopped_short,
          "top_frame_on_one_rank": top_frame_on_one_rank, "local_buckets": local_buckets,
-         "local_plans": local_plans}
+         "local_plans": local_plans, "local_predictions": local_predictions,
+         "local_mixed": local_mixed}
 
 
 def main() -> None:
