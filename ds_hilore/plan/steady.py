@@ -69,7 +69,9 @@ logger = logging.getLogger("ds_hilore")
 # slices have the same size. A microbatch run as GC (HiLoRe's hooks out of the way) and one run
 # through HiLoRe's frames do not fire them in one order: on a 2-layer Qwen2, the final norm's
 # weight before the LM head's through frames, after it as GC (the layers' own hooks in the same
-# order under H, R and rows run apart). A step that agrees runs one path on every rank; a
+# order under H, R and rows run apart) -- the gate at the last layer's output takes every
+# trainable parameter as an input (NOTE [ A backward of zeros ] in runtime/zero_backward.py),
+# so the accumulators of those above it wait for it too. A step that agrees runs one path on every rank; a
 # steady step runs as GC on every rank (every bucket runs as GC) or through frames on every rank,
 # a microbatch whose bucket runs as GC then all R, what GC keeps (paying HiLoRe's host path over
 # GC's there, the price of a step that agrees nothing). Found by a 2-rank ZeRO-2 run whose
