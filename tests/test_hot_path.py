@@ -448,6 +448,32 @@ def test_where_every_bucket_runs_as_gc_a_prediction_makes_the_next_step_agree():
         assert runtime.policy.step_stats["predicted_microbatches"] == 1
 
 
+class UnpredictedElsewhere(CountedCollective):
+    """Ranks that agree on everything, but another rank hands no prediction over: the max over
+    ranks of the prediction's ``missing`` flag, in the all-reduce before the forward."""
+
+    def all_reduce_max_float(self, values):
+        values = self._record(values)
+        if self.calls[-1] == "_bucket_key":
+            values[3] = 1.0  # [batch, length, -length, missing, ...]
+        return values
+
+
+def test_whether_a_bucket_runs_as_gc_is_decided_from_agreed_values_only():
+    """A step that agrees, a bucket whose plan keeps nothing, a prediction here and none on
+    another rank: every rank runs the microbatch as GC, this one too -- one that ran it through
+    frames beside ranks run as GC would fire the gradient hooks in another order (NOTE [ One
+    order of gradient hooks on every rank ] in ds_hilore/plan/steady.py) and make the
+    coefficients' all-reduce the others never make."""
+    collective = UnpredictedElsewhere()
+    runtime, step = _steady_run(collective)
+    runtime.policy.hold_out()  # the next forward agrees
+    runtime.expect([1.0, 0.0, 1.0, 1.0])
+    before, calls = step()
+    assert before == ["_bucket_key"] and runtime._mb.as_gc, calls
+    assert "agree" not in calls
+
+
 def test_one_read_returns_every_part_exactly(monkeypatch):
     from ds_hilore.runtime.reads import read_once
 

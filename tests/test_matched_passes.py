@@ -98,6 +98,33 @@ def test_passes_layer_by_layer_measure_what_one_pass_measures(monkeypatch):
     assert pieces["ranking"] == pytest.approx(whole["ranking"], rel=1e-12)
 
 
+def test_a_pass_runs_its_plan_whatever_the_last_forward_ran_as(monkeypatch):
+    """The matched passes run at ``end_step``, after the step's last forward; where that one ran
+    as GC (its bucket timed no faster than GC: NOTE [ Never slower than GC ]) the runtime is left
+    running forwards as GC, and the passes must still run their plans through frames: the
+    validated error is the plan's, as after a forward that ran its plan (as GC both passes would
+    measure GC against itself: an error of 0, the risk never tightened)."""
+    equal_utilities(monkeypatch)
+
+    def validated(gc_last: bool) -> float:
+        model = tiny_model("qwen2", layers=4, hidden=64, intermediate=128, dropout=False)
+        runtime = _attach(model, calibration_microbatches=1, validation_interval=1)
+        try:
+            for step in range(4):  # 0, 1 profiled; 2 calibrated; 3 validated
+                _microbatch(model, step)
+                if step == 3:
+                    runtime.gc_forward = gc_last
+                runtime.end_step()
+                model.zero_grad(set_to_none=True)
+            assert runtime.gc_forward is gc_last  # left as the last forward set it
+            return runtime.stats["grad_error_measured"]
+        finally:
+            runtime.detach()
+
+    plain = validated(False)
+    assert plain > 0 and validated(True) == pytest.approx(plain, rel=1e-12)
+
+
 def _validation_peak(budget_room: int | None) -> tuple[PeakMeter, int | None, dict]:
     """The peak of a validated step's passes: with ``budget_room``, the budget leaves that many
     bytes beyond what is in use and the pass's activations (NOTE [ What a pass holds ])."""

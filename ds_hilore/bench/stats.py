@@ -82,9 +82,10 @@ def _keeps(plan: Mapping[str, Any]) -> bool:
 def digest(stats: Mapping[str, Any]) -> dict[str, Any]:
     """What a report row shows of a HiLoRe run, from its last step's stats: the mix of actions
     (units x microbatches), bytes held per action, codec seconds, the allocator's own figures
-    (None under ``force_plan``), its plan per shape bucket, unit by unit, and whether the step
-    agreed nothing before its forwards (``steady_step``, None under ``force_plan``: NOTE
-    [ A steady step agrees nothing before its forwards ] in plan/steady.py)."""
+    (None under ``force_plan``), its plan per shape bucket, unit by unit, the buckets that run as
+    GC (``runs_as_gc``), and whether the step agreed nothing before its forwards
+    (``steady_step``, None under ``force_plan``: NOTE [ A steady step agrees nothing before its
+    forwards ] in plan/steady.py)."""
     actions = {a: n for a, n in (stats.get("actions") or {}).items() if n}
     allocator = None
     if stats.get("budget_bytes") is not None:
@@ -96,4 +97,4 @@ def digest(stats: Mapping[str, Any]) -> dict[str, Any]:
             "held_bytes": {a: n for a, n in (stats.get("bytes") or {}).items() if n},
             "pack_s": stats.get("pack_s"), "unpack_s": stats.get("unpack_s"),
             "allocator": allocator, "plans": plans or None,
-            "steady_step": stats.get("steady")}
+            "runs_as_gc": stats.get("runs_as_gc"), "steady_step": stats.get("steady")}

@@ -72,7 +72,8 @@ class PassRunner:
 
         handle = last.module.register_forward_hook(at_last)
         arrivals = [p.register_hook(self._arrival(i, on_grad)) for i, p in enumerate(params)]
-        saved = (dict(runtime._plan), dict(runtime._rows), runtime._plan_source)
+        saved = (dict(runtime._plan), dict(runtime._rows), runtime._plan_source, runtime.gc_forward)
+        runtime.gc_forward = False  # the pass runs its plan, whatever the last forward ran as
         devices = list(range(torch.cuda.device_count())) if job.cuda_rng is not None else []
         self.running = True
         try:
@@ -95,7 +96,7 @@ class PassRunner:
             handle.remove()
             for arrival in arrivals:
                 arrival.remove()
-            runtime._plan, runtime._rows, runtime._plan_source = saved
+            runtime._plan, runtime._rows, runtime._plan_source, runtime.gc_forward = saved
 
     def _arrival(self, i: int, on_grad: Callable[[int, torch.Tensor], None]):
         def arrived(grad: torch.Tensor) -> torch.Tensor:

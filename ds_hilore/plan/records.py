@@ -39,6 +39,9 @@ def stats(scheduler) -> dict[str, Any]:
             "alloc_s": s.get("alloc_s", scheduler.alloc_s),
             # NOTE [ A steady step agrees nothing before its forwards ] in steady.py
             "steady": s.get("steady", scheduler.steady),
+            # NOTE [ Never slower than GC ] in validate.py: the planned buckets run as GC
+            "runs_as_gc": sorted(_name(k) for k, b in buckets.items()
+                                 if b.plan is not None and scheduler._runs_as_gc(b, unpredicted=True)),
             "risk_budget": scheduler.config.grad_error_tolerance * scheduler.tighten,
             "plans": {_name(k): (b.plan.to_dict() if b.plan else None) for k, b in buckets.items()},
             "leave_one_out": {_name(k): {"utilities_s": b.loo_utilities,

@@ -130,7 +130,7 @@ class Scheduler:
             self._start_loo(bucket)
         if bucket.loo is not None and bucket.loo.done:
             self._finish_loo(bucket)
-        self.timing = None
+        self.timing, self.applied, self.predicted_zero = None, None, False
         self.runtime.gc_forward = self._runs_as_gc(bucket)  # NOTE [ Never slower than GC ] in validate.py
         if self.expected is not None and self._runs_as_gc(bucket, unpredicted=True):
             self.unsettled = True  # steady, it would run as GC without it (steady.py)
@@ -501,15 +501,19 @@ class Scheduler:
     def _runs_as_gc(self, bucket: Bucket, unpredicted: bool = False) -> bool:
         """NOTE [ Never slower than GC ] in validate.py: timed no faster than GC, or a plan that
         keeps nothing (with no prediction whose zeros it could elide): the bucket runs as
-        gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank (in a
-        steady step, where the prediction is this rank's own, this rank's).
-        ``unpredicted``: as it runs without a prediction."""
+        gradient checkpointing, HiLoRe's hooks out of the way. The same on every rank: from
+        agreed values only (``rows_agreed``, not this rank's ``expected``: a rank run as GC
+        beside one run through frames would fire the gradient hooks in another order, NOTE
+        [ One order of gradient hooks on every rank ] in steady.py); in a steady step, where the
+        prediction is this rank's own, this rank's. ``unpredicted``: as it runs without a
+        prediction."""
         plan = bucket.plan
         if plan is None or (not unpredicted and prediction.splits(self)):
             return False
         if any(a != "R" for a in self._pinned(plan.actions).values()):  # pinned by force_plan
             return False
-        return bucket.gc_faster or ((unpredicted or self.expected is None)
+        missing = bool(self.rows_agreed[prediction.MISSING])  # some rank's prediction can do nothing
+        return bucket.gc_faster or ((unpredicted or missing)
                                     and not any(a != "R" for a in plan.actions.values()))
 
     def _timed(self) -> list:

@@ -54,8 +54,9 @@ logger = logging.getLogger("ds_hilore")
 # (NOTE [ A microbatch predicted zero ]), while the others run theirs. Where every bucket runs
 # as GC, a prediction is not used in the steady step (the ranks without one run as GC) and
 # makes the next step agree, whose ranks split their rows together; so do the steps after it
-# while predictions come to a bucket that runs as GC. ``hold_out``, called on every rank at the same point, ends
-# the steady step there; a resumed run agrees its first step; one process has nothing to agree.
+# while predictions come to a bucket that runs as GC. ``hold_out``, called on every rank at the
+# same point, ends the steady step there; a resumed run agrees its first step; one process has
+# nothing to agree.
 # The agreement saved is small on a CPU (an all-reduce of a few values between 2 gloo
 # processes: 0.5-2 ms, plus the wait for the slower rank), but it is a point where every rank
 # waits for the others before its forward, and on an accelerator the forward's first kernels
@@ -70,12 +71,13 @@ logger = logging.getLogger("ds_hilore")
 # through HiLoRe's frames do not fire them in one order: on a 2-layer Qwen2, the final norm's
 # weight before the LM head's through frames, after it as GC (the layers' own hooks in the same
 # order under H, R and rows run apart) -- the gate at the last layer's output takes every
-# trainable parameter as an input (NOTE [ A backward of zeros ] in runtime/zero_backward.py),
-# so the accumulators of those above it wait for it too. A step that agrees runs one path on every rank; a
-# steady step runs as GC on every rank (every bucket runs as GC) or through frames on every rank,
-# a microbatch whose bucket runs as GC then all R, what GC keeps (paying HiLoRe's host path over
-# GC's there, the price of a step that agrees nothing). Found by a 2-rank ZeRO-2 run whose
-# parameters after a steady step with one rank on each path differed from GC's.
+# trainable parameter as an input (NOTE [ A backward of zeros ] in runtime/zero_backward.py), so
+# the accumulators of those above it wait for it too. A step that agrees runs one path on every
+# rank, decided from agreed values only (a prediction handed on one rank and not on another does
+# not split them); a steady step runs as GC on every rank (every bucket runs as GC) or through
+# frames on every rank, a microbatch whose bucket runs as GC then all R, what GC keeps (paying
+# HiLoRe's host path over GC's there, the price of a step that agrees nothing). Found by a 2-rank
+# ZeRO-2 run whose parameters after a steady step with one rank on each path differed from GC's.
 SLOTS = 48  # one per power of two of a length no bucket held
 
 
