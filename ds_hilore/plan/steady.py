@@ -152,12 +152,11 @@ def begin_forward(s, args, kwargs) -> None:
     s.bucket = bucket or max(s.buckets.values(), key=lambda b: (b.key[1], b.key[0]))
     s.timing, s.passes.fresh, s.applied, s.predicted_zero = None, False, None, False
     s.runtime.gc_forward = s.steady_as_gc  # NOTE [ One order of gradient hooks on every rank ]
-    if s.steady_as_gc:
-        pass
-    elif bucket is None or s._runs_as_gc(bucket, unpredicted=not predicted):
-        s.runtime.apply_plan("R")  # what GC keeps, through frames
-    else:  # a prediction's rows and plan are this rank's (NOTE [ Freed memory is spent ])
-        s._apply(bucket, steady=True)
+    if not s.steady_as_gc:
+        if bucket is None or s._runs_as_gc(bucket, unpredicted=not predicted):
+            s.runtime.apply_plan("R")  # what GC keeps, through frames
+        else:  # a prediction's rows and plan are this rank's (NOTE [ Freed memory is spent ])
+            s._apply(bucket, steady=True)
     s.expected = None  # a prediction is for this microbatch only
 
 

@@ -212,6 +212,35 @@ def top_frame_on_one_rank(port: int) -> dict:
             "params": _digest(engine)}
 
 
+def _with_and_without(port: int, budget: float, steps, record_step) -> dict:
+    """``steps`` (one per optimizer step: ``record_step(engine, rank, step, item, record)``
+    runs it and appends to ``record``'s lists) with HiLoRe (``budget`` x GC's peak, planned
+    after one profiled microbatch, H or R only) and with HiLoRe off (the reference): each run's
+    record and the SHA-256 of its final parameters."""
+    got = {}
+    for mode in ("hilore", "off"):
+        block = {"memory_budget": budget, "profile_microbatches": 1,
+                 "calibration_microbatches": 0, "plan_validation_microbatches": 0} \
+            if mode == "hilore" else {"enabled": False}
+        engine = _engine(port, 2, 4, block)
+        record: dict[str, list] = {}
+        for step, item in enumerate(steps):
+            record_step(engine, dist.get_rank(), step, item, record)
+        got[mode] = dict(record, params=_digest(engine))
+        engine.destroy()
+    return got
+
+
+def _append(record: dict, **values) -> None:
+    for key, value in values.items():
+        record.setdefault(key, []).append(value)
+
+
+def _ids(step: int, rank: int, length: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (4, length),
+                         generator=torch.Generator().manual_seed(10 * step + rank))
+
+
 # (rank 0's length, rank 1's) per step of ``local_buckets``: the first steps settle 4x32, then
 # rank 1 meets a shape 4x32 holds (16: no bucket of its own), then one no bucket holds (48)
 LOCAL_LENGTHS = ((T, T), (T, T), (T, T), (T, 16), (T, T), (T, 48), (T, 48), (T, 48), (T, 48),
@@ -223,29 +252,16 @@ def local_buckets(port: int) -> dict:
     runs as GC, so each rank runs its microbatch with no collective before the forward; a rank
     1 shape held by the bucket, then one that no bucket holds, then agreed in the steps after.
     Also run with HiLoRe off (the reference: GC is exact)."""
-    got = {}
-    for mode in ("hilore", "off"):
-        # memory_budget 1.0: no headroom over GC's peak, every plan keeps nothing (runs as GC)
-        block = {"memory_budget": 1.0, "profile_microbatches": 1, "calibration_microbatches": 0,
-                 "plan_validation_microbatches": 0} if mode == "hilore" else {"enabled": False}
-        engine = _engine(port, 2, 4, block)
-        rank = dist.get_rank()
-        raised, steady, unplanned, buckets, as_gc = [], [], [], [], []
-        for step, both in enumerate(LOCAL_LENGTHS):
-            ids = torch.randint(3, VOCAB, (4, both[rank]),
-                                generator=torch.Generator().manual_seed(10 * step + rank))
-            adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-            raised.append(_step(engine, _loss(engine, ids, adv)))
-            if engine.hilore is not None:
-                stats = engine.hilore.stats
-                steady.append(stats["steady"])
-                unplanned.append(stats["warm_up"].get("unplanned", 0))
-                buckets.append(sorted(stats["plans"]))
-                as_gc.append(engine.hilore._mb.as_gc)
-        got[mode] = {"raised": raised, "steady": steady, "unplanned": unplanned,
-                     "buckets": buckets, "as_gc": as_gc, "params": _digest(engine)}
-        engine.destroy()
-    return got
+    def one(engine, rank, step, lengths, record):
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        _append(record, raised=_step(engine, _loss(engine, _ids(step, rank, lengths[rank]), adv)))
+        if engine.hilore is not None:
+            stats = engine.hilore.stats
+            _append(record, steady=stats["steady"], as_gc=engine.hilore._mb.as_gc,
+                    unplanned=stats["warm_up"].get("unplanned", 0), buckets=sorted(stats["plans"]))
+
+    # memory_budget 1.0: no headroom over GC's peak, every plan keeps nothing (runs as GC)
+    return _with_and_without(port, 1.0, LOCAL_LENGTHS, one)
 
 
 # (rank 0's length, rank 1's, the rank whose sequences 1 and 3 have A = 0, or None) per step
@@ -263,30 +279,19 @@ def local_plans(port: int) -> dict:
     (one may keep units while the other recomputes all), with sequences found zero on one rank
     only; the checks that follow a plan are each rank's own. Also run with HiLoRe off (the
     reference: H and R are exact, and so is the elision of zero sequences on a CPU)."""
-    got = {}
-    for mode in ("hilore", "off"):
-        # budget 4x GC's: plans keep what they can; H or R only (low_precision "none")
-        block = {"memory_budget": 4.0, "profile_microbatches": 1, "calibration_microbatches": 0,
-                 "plan_validation_microbatches": 0} if mode == "hilore" else {"enabled": False}
-        engine = _engine(port, 2, 4, block)
-        rank = dist.get_rank()
-        raised, steady, local, kept, buckets = [], [], [], [], []
-        for step, (*lengths, zero_rank) in enumerate(LOCAL_PLANS):
-            ids = torch.randint(3, VOCAB, (4, lengths[rank]),
-                                generator=torch.Generator().manual_seed(10 * step + rank))
-            adv = torch.tensor([1.0, 0.0, -0.5, 0.0] if zero_rank == rank else [1.0, -1.0, 0.5, -0.5])
-            raised.append(_step(engine, _loss(engine, ids, adv)))
-            if engine.hilore is not None:
-                stats = engine.hilore.stats
-                steady.append(stats["steady"])
-                local.append(engine.hilore._mb.local_checks)
-                kept.append(stats["actions"]["H"])
-                buckets.append({k: v and "".join(sorted(set(v["actions"].values())))
-                                for k, v in stats["plans"].items()})
-        got[mode] = {"raised": raised, "steady": steady, "local": local, "kept": kept,
-                     "buckets": buckets, "params": _digest(engine)}
-        engine.destroy()
-    return got
+    def one(engine, rank, step, item, record):
+        *lengths, zero_rank = item
+        adv = torch.tensor([1.0, 0.0, -0.5, 0.0] if zero_rank == rank else [1.0, -1.0, 0.5, -0.5])
+        _append(record, raised=_step(engine, _loss(engine, _ids(step, rank, lengths[rank]), adv)))
+        if engine.hilore is not None:
+            stats = engine.hilore.stats
+            _append(record, steady=stats["steady"], local=engine.hilore._mb.local_checks,
+                    kept=stats["actions"]["H"],
+                    buckets={k: v and "".join(sorted(set(v["actions"].values())))
+                             for k, v in stats["plans"].items()})
+
+    # budget 4x GC's: plans keep what they can; H or R only (low_precision "none")
+    return _with_and_without(port, 4.0, LOCAL_PLANS, one)
 
 
 # (rank 0's advantages, rank 1's, whether each hands them over before the forward) per step of
@@ -302,30 +307,19 @@ def local_predictions(port: int) -> dict:
     one rank runs two rows of four, or skips the layers' backward of a microbatch predicted
     zero, while the other runs its whole microbatch, with nothing agreed. Also run with HiLoRe
     off (the reference)."""
-    got = {}
-    for mode in ("hilore", "off"):
-        block = {"memory_budget": 4.0, "profile_microbatches": 1, "calibration_microbatches": 0,
-                 "plan_validation_microbatches": 0} if mode == "hilore" else {"enabled": False}
-        engine = _engine(port, 2, 4, block)
-        rank = dist.get_rank()
-        raised, steady, local, kept, skipped = [], [], [], [], []
-        for step, (*advantages, predict) in enumerate(LOCAL_PREDICTIONS):
-            ids = torch.randint(3, VOCAB, (4, 16),  # rows apart are bitwise the batch's here
-                                generator=torch.Generator().manual_seed(10 * step + rank))
-            adv = torch.tensor(advantages[rank])
-            if predict and engine.hilore is not None:
-                engine.hilore.expect([abs(a) for a in advantages[rank]])
-            raised.append(_step(engine, _loss(engine, ids, adv)))
-            if engine.hilore is not None:
-                stats = engine.hilore.stats
-                steady.append(stats["steady"])
-                local.append(engine.hilore._mb.local_checks)
-                kept.append(stats["microbatches"][-1]["kept_rows"])
-                skipped.append(stats["microbatches"][-1]["backward_skipped"])
-        got[mode] = {"raised": raised, "steady": steady, "local": local, "kept": kept,
-                     "skipped": skipped, "params": _digest(engine)}
-        engine.destroy()
-    return got
+    def one(engine, rank, step, item, record):
+        *advantages, predict = item
+        if predict and engine.hilore is not None:
+            engine.hilore.expect([abs(a) for a in advantages[rank]])
+        ids = _ids(step, rank, 16)  # rows apart are bitwise the batch's here
+        _append(record, raised=_step(engine, _loss(engine, ids, torch.tensor(advantages[rank]))))
+        if engine.hilore is not None:
+            last = engine.hilore.stats["microbatches"][-1]
+            _append(record, steady=engine.hilore.stats["steady"],
+                    local=engine.hilore._mb.local_checks, kept=last["kept_rows"],
+                    skipped=last["backward_skipped"])
+
+    return _with_and_without(port, 4.0, LOCAL_PREDICTIONS, one)
 
 
 # (rank 0's length, rank 1's) per step of ``local_mixed``: 4x16 and 4x32 settle, then steady
@@ -340,32 +334,19 @@ def local_mixed(port: int) -> dict:
     gradient hooks on every rank ] in ds_hilore/plan/steady.py). Also run with HiLoRe off."""
     from ds_hilore.plan.scheduler import Scheduler
 
+    def one(engine, rank, step, lengths, record):
+        adv = torch.tensor(_NONE)
+        _append(record, raised=_step(engine, _loss(engine, _ids(step, rank, lengths[rank]), adv)))
+        if engine.hilore is not None:
+            _append(record, steady=engine.hilore.stats["steady"], as_gc=engine.hilore._mb.as_gc)
+
     runs_as_gc = Scheduler._runs_as_gc
     Scheduler._runs_as_gc = lambda self, bucket, unpredicted=False: (
         bucket.key == (4, 32) or runs_as_gc(self, bucket, unpredicted))
-    got = {}
     try:
-        for mode in ("hilore", "off"):
-            block = {"memory_budget": 4.0, "profile_microbatches": 1,
-                     "calibration_microbatches": 0, "plan_validation_microbatches": 0} \
-                if mode == "hilore" else {"enabled": False}
-            engine = _engine(port, 2, 4, block)
-            rank = dist.get_rank()
-            raised, steady, as_gc, kept = [], [], [], []
-            for step, lengths in enumerate(LOCAL_MIXED):
-                ids = torch.randint(3, VOCAB, (4, lengths[rank]),
-                                    generator=torch.Generator().manual_seed(10 * step + rank))
-                raised.append(_step(engine, _loss(engine, ids, torch.tensor(_NONE))))
-                if engine.hilore is not None:
-                    steady.append(engine.hilore.stats["steady"])
-                    as_gc.append(engine.hilore._mb.as_gc)
-                    kept.append(engine.hilore.stats["actions"]["H"])
-            got[mode] = {"raised": raised, "steady": steady, "as_gc": as_gc, "kept": kept,
-                         "params": _digest(engine)}
-            engine.destroy()
+        return _with_and_without(port, 4.0, LOCAL_MIXED, one)
     finally:
         Scheduler._runs_as_gc = runs_as_gc
-    return got
 
 
 CASES = {"late_leak": late_leak, "late_leak_two_engines": late_leak_two_engines,
