@@ -225,6 +225,21 @@ def test_a_steady_step_makes_no_collective_before_the_first_layers_forward(monke
     assert step()[0] == ["_bucket_key"] and not runtime.policy.steady
 
 
+def test_a_hold_out_without_a_codec_is_said_and_leaves_steady_steps_steady(caplog):
+    """With ``"low_precision": "none"`` nothing is packed, so a ranking check has nothing to
+    rank and no pass would ever take the hold-out: it is said, not left pending -- pending, it
+    ended every later step's steadiness at its first forward, for the rest of the run."""
+    runtime, step = _steady_run(CountedCollective(), {**AS_GC, "low_precision": "none"})
+    assert runtime.policy.steady
+    with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+        runtime.policy.hold_out()
+    for _ in range(2):
+        assert step() == ([], [])  # steady: no collective at all
+        runtime.end_step()
+        assert runtime.policy.steady and runtime.stats["steady"]
+    assert "no ranking check" in caplog.text
+
+
 def test_a_planned_bucket_runs_its_plan_in_a_steady_step_with_its_own_checks(monkeypatch):
     """Every bucket planned, its plan keeping something (pinned here), nothing due: the step is
     steady, and a microbatch takes the bucket of its own shape and runs its plan with no
