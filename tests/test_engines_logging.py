@@ -344,3 +344,39 @@ def test_coefficients_that_name_no_forward_are_warned_about_once(caplog):
             model.zero_grad(set_to_none=True)
     said = [r for r in caplog.records if "forwards are alive" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+
+
+def _logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
+
+
+@pytest.mark.parametrize("seq_a", [16, 32])
+def test_a_loss_of_a_forward_run_as_gc_goes_to_no_later_forward(caplog, seq_a):
+    """Two forwards before their losses, the first run as GC (its bucket's), the second
+    planned (NOTE [ Which forward a loss is of ]): the first's coefficients go nowhere (nothing
+    of it to elide) and the second keeps its own. They went to the second forward: of another
+    length, it raised that they did not fit; of the same length, it took them silently."""
+    model = tiny_model("qwen2", layers=2, hidden=32, dropout=False)
+    runtime = ds_hilore.attach(model, {"force_plan": "H", "low_precision": "none"})
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+            for step in range(2):
+                ids_a, ids_b = _ids(step, seq=seq_a), _ids(step + 9)
+                runtime.gc_forward = True  # as a bucket run as GC runs (plan/scheduler.py)
+                logp_a = _logp(model(input_ids=ids_a, use_cache=False).logits, ids_a)
+                first = runtime._mb
+                runtime.gc_forward = False
+                logp_b = _logp(model(input_ids=ids_b, use_cache=False).logits, ids_b)
+                second = runtime._mb
+                assert first.as_gc and not second.as_gc
+                ours = torch.full((4, 15), 3.0)
+                runtime.set_coefficients(ours, logp=logp_b)
+                runtime.set_coefficients(torch.full((4, seq_a - 1), 2.0), logp=logp_a)
+                assert torch.equal(second.coefficients, ours)
+                (logp_a.sum() + logp_b.sum()).backward()
+                runtime.end_step()
+                model.zero_grad(set_to_none=True)
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+    finally:
+        runtime.detach()
+

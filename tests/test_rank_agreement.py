@@ -188,3 +188,16 @@ def test_a_steady_step_with_a_gc_bucket_on_one_rank_fires_the_hooks_in_one_order
         assert hilore["steady"][-mixed:] == [True] * mixed, hilore
         assert not any(hilore["as_gc"][-mixed:]), hilore
         assert hilore["params"] == off["params"]
+
+
+def test_a_forward_dropped_on_every_rank_gives_the_next_loss_to_its_own_forward(ranks):
+    """NOTE [ The last layer's output, marked ]: a forward dropped without a backward, the
+    collector off, then the step's microbatch, in eight steady steps: no rank raises or waits, and the
+    parameters are bitwise those of the run without HiLoRe. Its coefficients went to the
+    dropped forward where the new graph reused its node's address: the ranks' all-reduces then
+    differed in length."""
+    got = [_case(r, "dropped_forward") for r in ranks]
+    for rank in got:
+        hilore, off = rank["hilore"], rank["off"]
+        assert hilore["raised"] == [None] * len(worker.DROPPED), hilore
+        assert hilore["params"] == off["params"]

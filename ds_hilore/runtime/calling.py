@@ -17,6 +17,7 @@ from ds_hilore.runtime.bundle import CapturePlan, LayerFrame
 from ds_hilore.runtime.calls import drop_cache, hidden_input
 from ds_hilore.runtime.elision import gradient_entry
 from ds_hilore.runtime.microbatch import Microbatch
+from ds_hilore.runtime.registry import mark_last_hidden
 from ds_hilore.runtime.replay import RngState
 from ds_hilore.runtime.units import LayerUnits, outside_compile
 from ds_hilore.runtime.zero_backward import gate
@@ -129,7 +130,7 @@ class LayerCalls:
                 mb.predicted_zero = getattr(self.policy, "predicted_zero", False)
             hidden.register_hook(functools.partial(self._elision.on_layer_grad, mb, weakref.ref(frame), last))
             if last:
-                mb.last_hidden_fn = id(hidden.grad_fn)
+                mark_last_hidden(mb, hidden)  # NOTE [ The last layer's output, marked ] (registry.py)
         if last:
             mb.batch, mb.seq_len = frame.batch, frame.seq_len
             self._summarise(mb)
@@ -336,9 +337,8 @@ class LayerCalls:
             return out
         hidden = _hidden_of(out)
         if hidden is not None and hidden.requires_grad:
-            mb.last_hidden_fn = id(hidden.grad_fn)
-            if self.policy is not None:
-                hidden.register_hook(functools.partial(self._gc_top_grad, mb))
+            mark_last_hidden(mb, hidden)
+            hidden.register_hook(functools.partial(self._gc_top_grad, mb))
         for unit in self._units:  # the units report the latest microbatch
             unit.action, unit.nbytes = "R", 0
         mb.summary.update(index=mb.index, actions={"H": 0, "L": 0, "R": len(self._units), "E": 0},
@@ -346,8 +346,10 @@ class LayerCalls:
         return out
 
     def _gc_top_grad(self, mb: Microbatch, grad: torch.Tensor) -> None:
-        self._elision.late.reseed(mb)
-        self.policy.top_grad(mb, grad)
+        mb.gc_backward_begun = True  # no loss of it is to come (NOTE [ Which forward a loss is of ])
+        if self.policy is not None:
+            self._elision.late.reseed(mb)
+            self.policy.top_grad(mb, grad)
 
     def elision_mode(self, device: torch.device) -> bool | str:
         """``elide_zero_rows`` as it applies on ``device``, "auto" resolved (NOTE [ Stand-ins on

@@ -32,7 +32,7 @@ from ds_hilore.runtime.install import (Installation, checkpointing_on, reduces_i
 from ds_hilore.runtime.microbatch import Microbatch
 from ds_hilore.runtime.plans import ACTIONS, Plans
 from ds_hilore.runtime.registry import ATTACHED as _ATTACHED  # noqa: F401 (importable here)
-from ds_hilore.runtime.registry import find_runtime, first_reached, sharing
+from ds_hilore.runtime.registry import find_runtime, first_reached, reached_by, sharing
 from ds_hilore.runtime.units import LayerUnits, Unit, find_layers
 from ds_hilore.runtime.unpredicted import ZeroSeen
 from ds_hilore.runtime.weights import WeightRecognizer
@@ -231,25 +231,34 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         self._elision.apply(mb, mb.coefficients, offset, source="analytic")
 
     def _microbatch_of(self, logp: torch.Tensor | None) -> "Microbatch | None":
-        """The live microbatch whose last layer output ``logp`` was computed from."""
-        live = [mb for mb in list(self._live_mbs) if mb.live_frames()]
-        as_gc = self._mb is not None and self._mb.as_gc  # nothing of it to elide or weigh
-        candidates = live + ([self._mb] if as_gc else [])
-        if logp is not None and logp.grad_fn is not None and len(candidates) > 1:
-            found = first_reached(logp, {mb.last_hidden_fn: mb for mb in candidates
-                                         if mb.last_hidden_fn is not None})
+        """The live microbatch whose last layer output ``logp`` was computed from; None where
+        that forward ran as GC (nothing of it to elide or weigh) or is not known.
+
+        NOTE [ Which forward a loss is of ]
+        Trainers may run several forwards before their losses (two microbatches, then one
+        backward of the sum). Every such forward still alive is a candidate: those with frames
+        and those run as GC -- a loss of a forward run as GC, computed after a later planned
+        forward, once gave its coefficients to that later one, which had no room for them or,
+        of the same shape, took them silently. With several candidates the loss's graph decides
+        (NOTE [ The last layer's output, marked ] in registry.py); where it reaches none of
+        them, nothing is elided, said once."""
+        alive = list(self._live_mbs)
+        live = [mb for mb in alive if mb.live_frames()]
+        as_gc = [mb for mb in alive if mb.as_gc and not mb.gc_backward_begun
+                 and (mb is self._mb or mb.last_hidden_marked)]
+        candidates = live + [mb for mb in as_gc if mb not in live]
+        if len(candidates) > 1 and logp is not None and logp.grad_fn is not None:
+            found = first_reached(logp, reached_by(candidates))
             if found is not None:
                 return None if found.as_gc else found
-        if as_gc:
-            return None
-        if len(live) > 1:  # every step alike: said once, then at DEBUG
-            logger.log(logging.DEBUG if self._warned_ambiguous else logging.WARNING,
-                       "ds_hilore: %d forwards are alive and the coefficients do not say which "
-                       "one they belong to; nothing is elided. Pass logp= to set_coefficients "
-                       "(policy_loss does).", len(live))
-            self._warned_ambiguous = True
-            return None
-        return live[0] if live else None
+        if len(candidates) <= 1:
+            return candidates[0] if candidates and not candidates[0].as_gc else None
+        logger.log(logging.DEBUG if self._warned_ambiguous else logging.WARNING,  # said once
+                   "ds_hilore: %d forwards are alive and the coefficients do not say which "
+                   "one they belong to; nothing is elided. Pass logp= to set_coefficients "
+                   "(policy_loss does).", len(candidates))
+        self._warned_ambiguous = True
+        return None
 
     @property
     def exposure(self) -> dict[str, list[float]]:

@@ -48,7 +48,7 @@ class Microbatch:
         self.token_weights: torch.Tensor | None = None  # (B, T) |ω| on hidden positions
         self.source: str | None = None
         self.zero_rows: list[int] = []  # sequences (packed: segments) with ω ≡ 0
-        self.last_hidden_fn: int | None = None  # id of the last layer output's grad_fn
+        self.last_hidden_marked = False  # NOTE [ The last layer's output, marked ] (registry.py)
         self.batch: int | None = None  # sequences of the forward
         self.seq_len: int | None = None  # hidden positions of the forward
         self.summary: dict[str, Any] = {}
@@ -58,6 +58,7 @@ class Microbatch:
         self.late_due = False
         self.skip_layers_backward = False  # NOTE [ A backward of zeros ] in zero_backward.py
         self.gated = False  # the last layer's output went through ``gate`` at the forward
+        self.gc_backward_begun = False  # run as GC, its backward reached the last layer's output
         self.predicted_zero = False  # planned as every rank's predicted zero (scheduler.py)
         self.stopped_short = False  # its forward ended below the last HiLoRe layer (elision.py)
         # several sequences per row (NOTE [ Packed sequences ] in packed.py)

@@ -57,26 +57,57 @@ def find_runtime(model: nn.Module | None = None):
     return live[0] if len(live) == 1 else None
 
 
+# NOTE [ The last layer's output, marked ]
+# A loss's coefficients go to the forward its log-probabilities come from: the walk back from
+# them reaches that forward's last layer output. That output's grad_fn names the forward, but
+# not by its ``id``: the Python object of an autograd node is made when asked for and freed when
+# no longer held, and a forward whose loss was dropped without a backward (a retry after
+# running out of memory, a metric) stays among the live microbatches until the collector frees
+# it -- an ``id`` taken at its forward could name a node of the next graph, and the next loss's
+# coefficients went to the dead forward, on some ranks and not others (one rank raised, the
+# other waited in its backward). So the node itself is marked, in its ``metadata`` (kept with
+# the node, whatever Python object stands for it, and gone with it), with the microbatch's
+# process-wide ``epoch``, and the walk reads the marks of the nodes it passes.
+LAST_HIDDEN = "ds_hilore.microbatch"
+
+
+def mark_last_hidden(mb, hidden: torch.Tensor) -> None:
+    """``hidden``, the last layer's output of ``mb``'s forward, names that forward to
+    ``first_reached`` (NOTE [ The last layer's output, marked ])."""
+    hidden.grad_fn.metadata[LAST_HIDDEN] = mb.epoch
+    mb.last_hidden_marked = True
+
+
+def reached_by(mbs, value=lambda mb: mb) -> dict:
+    """``first_reached``'s ``wanted`` for the microbatches ``mbs`` whose last layer output is
+    marked: ``value(mb)`` for each, by its mark."""
+    return {mb.epoch: value(mb) for mb in mbs if mb.last_hidden_marked}
+
+
 def first_reached(logp: torch.Tensor, wanted: dict):
-    """The value of ``wanted`` (keyed by ``id`` of a layer output's grad_fn) whose node the
-    autograd graph of ``logp`` reaches first, walking back at most ``_MAX_GRAPH_WALK`` nodes
-    (the LM head is a few nodes above the last layer's output); None when none is reached."""
+    """The value of ``wanted`` (``reached_by``: a mark -> value) whose marked node the autograd
+    graph of ``logp`` reaches first, walking back at most ``_MAX_GRAPH_WALK`` nodes (the LM head
+    is a few nodes above the last layer's output); None when none is reached."""
     seen, todo = set(), [logp.grad_fn] if logp.grad_fn is not None else []
     while todo and len(seen) < _MAX_GRAPH_WALK:
         node = todo.pop()
-        if id(node) in wanted:
-            return wanted[id(node)]
-        if id(node) not in seen:
-            seen.add(id(node))
+        mark = node.metadata.get(LAST_HIDDEN)
+        if mark in wanted:
+            return wanted[mark]
+        if node not in seen:
+            seen.add(node)
             todo.extend(n for n, _ in node.next_functions if n is not None)
     return None
 
 
 def _runtime_of(logp: torch.Tensor):
     """The attached runtime with a live microbatch whose last layer output ``logp`` comes from."""
-    return first_reached(logp, {mb.last_hidden_fn: rt for rt in list(ATTACHED) if rt.attached
-                                for mb in list(rt._live_mbs)
-                                if mb.last_hidden_fn is not None and mb.live_frames()})
+    wanted = {}
+    for rt in list(ATTACHED):
+        if rt.attached:
+            wanted.update(reached_by([mb for mb in list(rt._live_mbs) if mb.live_frames()],
+                                     lambda _, rt=rt: rt))
+    return first_reached(logp, wanted)
 
 
 # NOTE [ Whose loss, once per model ]

@@ -349,11 +349,39 @@ def local_mixed(port: int) -> dict:
         Scheduler._runs_as_gc = runs_as_gc
 
 
+# (length, whether a forward is dropped before it) per step of ``dropped_forward``: 4x16 and
+# 4x32 settle, then steady steps of 4x16, each after a dropped forward
+DROPPED = ((16, False),) * 3 + ((32, False),) * 3 + ((16, True),) * 8
+
+
+def dropped_forward(port: int) -> dict:
+    """A forward dropped without a backward on every rank (a retry after running out of
+    memory), with the collector off as some trainers run, then the step's own microbatch: its
+    loss's coefficients go to its own forward, not to the dropped one, whose last layer output's
+    node address the new graph may reuse (NOTE [ The last layer's output, marked ] in
+    ds_hilore/runtime/registry.py). Also run with HiLoRe off."""
+    import gc
+
+    def one(engine, rank, step, item, record):
+        length, drop = item
+        adv = torch.tensor(_TWO)
+        if drop:
+            dropped = _loss(engine, _ids(step + 50, rank, 16), adv)
+            del dropped
+        _append(record, raised=_step(engine, _loss(engine, _ids(step, rank, length), adv)))
+
+    gc.disable()
+    try:
+        return _with_and_without(port, 4.0, DROPPED, one)
+    finally:
+        gc.enable()
+
+
 CASES = {"late_leak": late_leak, "late_leak_two_engines": late_leak_two_engines,
          "packed_skip": packed_skip, "stopped_short": stopped_short,
          "top_frame_on_one_rank": top_frame_on_one_rank, "local_buckets": local_buckets,
          "local_plans": local_plans, "local_predictions": local_predictions,
-         "local_mixed": local_mixed}
+         "local_mixed": local_mixed, "dropped_forward": dropped_forward}
 
 
 def main() -> None:
