@@ -380,3 +380,24 @@ def test_a_loss_of_a_forward_run_as_gc_goes_to_no_later_forward(caplog, seq_a):
     finally:
         runtime.detach()
 
+
+
+def test_coefficients_without_logp_go_to_the_planned_forward_beside_one_run_as_gc(caplog):
+    """Without ``logp`` nothing names the forward: the one alive with HiLoRe's frames is meant,
+    whatever forwards run as GC are alive beside it (nothing of theirs to elide), and nothing
+    is said (NOTE [ Which forward a loss is of ])."""
+    model = tiny_model("qwen2", layers=2, hidden=32, dropout=False)
+    runtime = ds_hilore.attach(model, {"force_plan": "H", "low_precision": "none"})
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+            runtime.gc_forward = True
+            first = model(input_ids=_ids(0), use_cache=False).logits
+            runtime.gc_forward = False
+            second = model(input_ids=_ids(1), use_cache=False).logits
+            ours = torch.full((4, 15), 3.0)
+            runtime.set_coefficients(ours)
+            assert torch.equal(runtime._mb.coefficients, ours)
+            (first.sum() + second.sum()).backward()
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+    finally:
+        runtime.detach()

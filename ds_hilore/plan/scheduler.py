@@ -326,13 +326,15 @@ class Scheduler:
     def hold_out(self) -> None:
         """Hold the next planned microbatch out for a ranking check of the risk model, run at
         the following ``end_step``; the result is ``stats["ranking"]``. Under several ranks,
-        call it on every rank at the same point: the check's passes agree over ranks. Without
-        a codec (``"low_precision": "none"``) nothing is packed and there is nothing to rank:
-        said, and nothing is held out (a hold-out left pending would keep every later step from
-        being steady)."""
-        if self.runtime._codec is None:
-            logger.warning("ds_hilore: hold_out(): no ranking check, nothing is packed "
-                           "(\"low_precision\": \"none\")")
+        call it on every rank at the same point: the check's passes agree over ranks. Where no
+        pass could take it -- nothing packed (``"low_precision": "none"``), or matched passes
+        off (ZeRO-3 attached outside ``ds_hilore.initialize``) -- it is said and nothing is held
+        out: a hold-out left pending kept every later step from being steady."""
+        why = "nothing is packed (\"low_precision\": \"none\")" if self.runtime._codec is None \
+            else None if self.passes._supported() else \
+            "matched passes are off (ZeRO-3 attached outside ds_hilore.initialize)"
+        if why is not None:
+            logger.warning("ds_hilore: hold_out(): no ranking check, %s", why)
             return
         self.passes.hold_out = True
 

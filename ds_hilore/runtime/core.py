@@ -212,7 +212,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         T - 2 (the hidden state at t produces the log-prob of token t + 1), which is where
         ``logits[:, :-1]`` / ``logits_to_keep`` log-probs come from. ``logp`` (the log-probs ω
         was computed from) names the microbatch when several forwards are alive; without it,
-        the latest forward is meant. Sequences whose ω is exactly zero are elided from every H/L
+        the one alive with HiLoRe's frames is meant (with several, nothing is elided, said once). Sequences whose ω is exactly zero are elided from every H/L
         unit (NOTE [ Exact zeros ] in storage.py); exposure is computed per unit and sequence.
         ``ds_hilore.grpo.policy_loss`` calls this by itself.
         """
@@ -244,15 +244,20 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         them, nothing is elided, said once."""
         alive = list(self._live_mbs)
         live = [mb for mb in alive if mb.live_frames()]
-        as_gc = [mb for mb in alive if mb.as_gc and not mb.gc_backward_begun
-                 and (mb is self._mb or mb.last_hidden_marked)]
-        candidates = live + [mb for mb in as_gc if mb not in live]
-        if len(candidates) > 1 and logp is not None and logp.grad_fn is not None:
+        latest_gc = self._mb is not None and self._mb.as_gc
+        if logp is None or logp.grad_fn is None:  # nothing to walk: the latest forward is meant
+            candidates = live + ([self._mb] if latest_gc and self._mb not in live else [])
+        else:
+            candidates = live + [mb for mb in alive if mb.as_gc and mb not in live and (
+                mb is self._mb or mb.last_hidden_marked and not mb.gc_backward_begun)]
+        if all(mb.as_gc for mb in candidates):  # nothing of them to elide or weigh
+            return None
+        if len(candidates) == 1:
+            return candidates[0]
+        if logp is not None and logp.grad_fn is not None:
             found = first_reached(logp, reached_by(candidates))
             if found is not None:
                 return None if found.as_gc else found
-        if len(candidates) <= 1:
-            return candidates[0] if candidates and not candidates[0].as_gc else None
         logger.log(logging.DEBUG if self._warned_ambiguous else logging.WARNING,  # said once
                    "ds_hilore: %d forwards are alive and the coefficients do not say which "
                    "one they belong to; nothing is elided. Pass logp= to set_coefficients "

@@ -74,8 +74,9 @@ LAST_HIDDEN = "ds_hilore.microbatch"
 def mark_last_hidden(mb, hidden: torch.Tensor) -> None:
     """``hidden``, the last layer's output of ``mb``'s forward, names that forward to
     ``first_reached`` (NOTE [ The last layer's output, marked ])."""
-    hidden.grad_fn.metadata[LAST_HIDDEN] = mb.epoch
-    mb.last_hidden_marked = True
+    if hidden.grad_fn is not None:  # a leaf (a layer passing its input through) names nothing
+        hidden.grad_fn.metadata[LAST_HIDDEN] = mb.epoch
+        mb.last_hidden_marked = True
 
 
 def reached_by(mbs, value=lambda mb: mb) -> dict:
@@ -87,14 +88,15 @@ def reached_by(mbs, value=lambda mb: mb) -> dict:
 def first_reached(logp: torch.Tensor, wanted: dict):
     """The value of ``wanted`` (``reached_by``: a mark -> value) whose marked node the autograd
     graph of ``logp`` reaches first, walking back at most ``_MAX_GRAPH_WALK`` nodes (the LM head
-    is a few nodes above the last layer's output); None when none is reached."""
+    is a few nodes above the last layer's output) and not below a forward's marked output that
+    is not wanted (the layers of that forward); None when none is reached."""
     seen, todo = set(), [logp.grad_fn] if logp.grad_fn is not None else []
     while todo and len(seen) < _MAX_GRAPH_WALK:
         node = todo.pop()
         mark = node.metadata.get(LAST_HIDDEN)
         if mark in wanted:
             return wanted[mark]
-        if node not in seen:
+        if mark is None and node not in seen:
             seen.add(node)
             todo.extend(n for n, _ in node.next_functions if n is not None)
     return None
