@@ -212,8 +212,9 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         T - 2 (the hidden state at t produces the log-prob of token t + 1), which is where
         ``logits[:, :-1]`` / ``logits_to_keep`` log-probs come from. ``logp`` (the log-probs ω
         was computed from) names the microbatch when several forwards are alive; without it,
-        the one alive with HiLoRe's frames is meant (with several, nothing is elided, said once). Sequences whose ω is exactly zero are elided from every H/L
-        unit (NOTE [ Exact zeros ] in storage.py); exposure is computed per unit and sequence.
+        the one alive with HiLoRe's frames is meant (with several, nothing is elided, said
+        once). Sequences whose ω is exactly zero are elided from every H/L unit
+        (NOTE [ Exact zeros ] in storage.py); exposure is computed per unit and sequence.
         ``ds_hilore.grpo.policy_loss`` calls this by itself.
         """
         if coefficients.dim() != 2:
@@ -245,7 +246,8 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         alive = list(self._live_mbs)
         live = [mb for mb in alive if mb.live_frames()]
         latest_gc = self._mb is not None and self._mb.as_gc
-        if logp is None or logp.grad_fn is None:  # nothing to walk: the latest forward is meant
+        walkable = logp is not None and logp.grad_fn is not None
+        if not walkable:  # nothing to walk: the latest forward is meant
             candidates = live + ([self._mb] if latest_gc and self._mb not in live else [])
         else:
             candidates = live + [mb for mb in alive if mb.as_gc and mb not in live and (
@@ -254,7 +256,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
             return None
         if len(candidates) == 1:
             return candidates[0]
-        if logp is not None and logp.grad_fn is not None:
+        if walkable:
             found = first_reached(logp, reached_by(candidates))
             if found is not None:
                 return None if found.as_gc else found
