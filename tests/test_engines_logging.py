@@ -331,6 +331,33 @@ def test_whose_loss_is_answered_once_per_model_until_a_runtime_attaches(monkeypa
             second.detach()
 
 
+@pytest.mark.parametrize("detached", [True, False], ids=["detached", "dropped"])
+def test_a_model_named_by_its_losses_is_freed_with_its_runtime(detached):
+    """The answer kept per model (NOTE [ Whose loss, once per model ]) holds its runtime weakly:
+    a model whose losses named it (``policy_loss(model=...)``) is freed once the script lets go
+    of it and of its runtime, detached or not -- an engine rebuilt in the same process (a
+    sweep, a reload) no longer keeps every earlier one's weights."""
+    import gc
+    import weakref
+
+    def one_run(seed):
+        model = tiny_model("qwen2", layers=2, hidden=32, dropout=False, seed=seed)
+        runtime = ds_hilore.attach(model, {"force_plan": "R"})
+        ids = _ids(seed)
+        logp = model(input_ids=ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        ds_hilore.grpo.policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0, 0.0, 0.5]),
+                                   torch.ones_like(logp), model=model).loss.backward()
+        assert runtime.stats["microbatches"][-1]["exposure_source"] == "analytic"
+        runtime.end_step()
+        if detached:
+            runtime.detach()
+        return weakref.ref(model), weakref.ref(runtime)
+
+    refs = [one_run(seed) for seed in range(3)]
+    gc.collect()
+    assert [(model(), runtime()) for model, runtime in refs] == [(None, None)] * 3
+
+
 def test_coefficients_that_name_no_forward_are_warned_about_once(caplog):
     """Two forwards alive and no ``logp=``: said once, not at every step (nothing is elided)."""
     model = tiny_model("qwen2", layers=2, hidden=32, dropout=False)

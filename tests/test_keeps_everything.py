@@ -95,6 +95,36 @@ def test_a_layer_that_keeps_everything_runs_without_its_frame_bitwise(lora, monk
         runtime.detach()
 
 
+def test_the_bytes_of_shapes_not_met_lately_are_forgotten_and_learnt_again(monkeypatch):
+    """Lengths that change every step would each leave their learnt bytes for good: a layer
+    keeps those of the most recent shapes only (``_MAX_WHOLE_SHAPES``), a shape used again
+    stays, and a forgotten one comes back through the frames, bitwise as before."""
+    from ds_hilore.runtime import units
+
+    monkeypatch.setattr(units, "_MAX_WHOLE_SHAPES", 3)
+    model = tiny_model("qwen2", layers=2, dropout=False)
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, dict(WHOLE))
+    packs = _Packs(monkeypatch)
+    try:
+        loss_and_grads(model, batch(seq=8))  # discovery
+        runtime.end_step()
+        # 10 learnt, then kept by its use; 14 forgotten after three newer shapes
+        for seq, framed in ((10, True), (12, True), (14, True), (10, False), (16, True),
+                            (18, True), (10, False), (14, True), (14, False)):
+            packs.take()
+            inputs = batch(seq=seq, seed=seq)
+            _, want = loss_and_grads(ref, inputs)
+            _, got = loss_and_grads(model, inputs)
+            assert _bitwise(want, got), seq
+            assert bool(packs.take()) == framed, seq
+            runtime.end_step()
+            assert all(len(layer.whole_bytes) <= 3 for layer in runtime._layers)
+        assert [key[0][0][1] for key in runtime._layers[0].whole_bytes] == [18, 10, 14]
+    finally:
+        runtime.detach()
+
+
 def test_without_a_frame_it_keeps_the_storages_autograd_keeps():
     """What the forward leaves alive without frames is, byte for byte, what the model without
     HiLoRe leaves; through the frames, that and no more than the last layer's inputs, which its

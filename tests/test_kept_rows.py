@@ -359,3 +359,58 @@ def test_zero_sequences_found_late_are_said_once_with_the_line_that_hands_the_pr
         assert "expect(ds_hilore.grpo.exposure.predicted(advantages, response_mask))" in said[0]
     finally:
         runtime.detach()
+
+
+def test_zero_sequences_found_late_in_packed_rows_are_said_without_a_prediction_to_hand_over(
+        caplog):
+    """Sequences packed into one row (position ids restarting) run the row's layers whole: a
+    prediction cannot run one of them apart, so the line said once for zero sequences found
+    late says that instead of asking for one."""
+    model, _, runtime = _attached("R")
+    try:
+        ids, omega = _data(23, torch.tensor([1.0]), batch=1)
+        omega[0, T // 2:] = 0  # the second sequence of the row zero
+        position_ids = torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)])[None]
+        with caplog.at_level(logging.WARNING, logger="ds_hilore"):
+            _step(model, ids, omega, runtime, position_ids=position_ids)
+            runtime.end_step()
+        said = [r.getMessage() for r in caplog.records if "found only after" in r.getMessage()]
+        assert len(said) == 1 and "1 of this optimizer step's 2 sequences" in said[0], said
+        assert "in packed rows" in said[0] and "cannot run part of a row apart" in said[0]
+    finally:
+        runtime.detach()
+
+
+def test_a_prediction_of_another_length_than_the_forwards_rows_is_said_not_used(caplog):
+    """``expect`` takes one value per row of the next training forward: one of another length
+    (a value per sequence of a packed row, a stale one) is not used -- the rows run whole,
+    exactly -- and that is said once, with why where the forward is a packed row."""
+    model, ref, runtime = _attached("H")
+    try:
+        _first(runtime, model)
+        ids, omega = _data(24, torch.tensor([1.0]), batch=1)
+        omega[0, T // 2:] = 0
+        position_ids = torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)])[None]
+        with caplog.at_level(logging.DEBUG, logger="ds_hilore"):
+            runtime.expect([1.0, 0.0])  # one value per packed sequence
+            loss, _, grads = _step(model, ids, omega, runtime, position_ids=position_ids)
+            runtime.end_step()
+            assert runtime.stats["microbatches"][0]["kept_rows"] is None
+            ref_loss, _, ref_grads = _step(ref, ids, omega, position_ids=position_ids)
+            assert torch.equal(loss, ref_loss)
+            assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+            ids, omega = _data(25, PART)
+            runtime.expect([1.0, 0.0, 1.0])  # three values for four rows
+            _step(model, ids, omega, runtime)
+            runtime.end_step()
+            runtime.expect(omega.abs().sum(1).tolist())  # four: used, nothing said
+            _step(model, ids, omega, runtime)
+            runtime.end_step()
+        said = [r for r in caplog.records if "was handed" in r.getMessage()]
+        assert [(r.levelno, r.getMessage().split(":")[1].strip()[:60]) for r in said] == [
+            (logging.WARNING, "expect() was handed 2 values before a forward of 1 rows"),
+            (logging.DEBUG, "expect() was handed 3 values before a forward of 4 rows")]
+        assert "cannot run part of a row apart" in said[0].getMessage()
+        assert "packed" not in said[1].getMessage()
+    finally:
+        runtime.detach()

@@ -57,11 +57,29 @@ class LayerCalls:
     def _begin_at_layer(self, layer: LayerUnits, args: tuple, function) -> None:
         """A forward that did not pass through the model's pre-hook: begin it here."""
         begun, self._forward_begun = self._forward_begun, False
+        if layer is self._layers[0] and self._handed_rows is not None:
+            self._check_handed(hidden_input(args, getattr(function, "keywords", {})))
         if not begun and layer is self._layers[0]:
             self._run_when_units_known()
         if not begun and layer is self._layers[0] and self._plans_forward():
             hidden = hidden_input(args, getattr(function, "keywords", {}))  # (B, T, H)
             self.policy.begin_forward((hidden,), {}, replayable=False)
+
+    def _check_handed(self, hidden: torch.Tensor) -> None:
+        """A prediction (``expect``) is one value per row of the forward it precedes; one of
+        another length is not used (the plan and the rows then ignore it): said once. A packed
+        row of several sequences is one row, and a prediction cannot run part of it apart."""
+        handed, self._handed_rows = self._handed_rows, None
+        rows = hidden.shape[0] if hidden.dim() >= 2 else 1
+        if handed == rows:
+            return
+        packed = (" A packed row (several sequences in one row) runs its layers whole: a "
+                  "prediction cannot run part of a row apart." if rows == 1 else "")
+        logger.log(logging.DEBUG if self._warned_handed else logging.WARNING,  # said once
+                   "ds_hilore: expect() was handed %d values before a forward of %d rows: not "
+                   "used (one value per row of the next training forward).%s", handed, rows,
+                   packed)
+        self._warned_handed = True
 
     def _plans_forward(self) -> bool:
         return (self.policy is not None and self.enabled and torch.is_grad_enabled()
@@ -103,7 +121,7 @@ class LayerCalls:
         if self._checkpointed(layer, plan, mb, function, args):
             return self._run_checkpointed(layer, mb, function, args)
         whole = self._keeps_everything(layer, plan, mb, function, args)
-        known = whole is not None and whole in layer.whole_bytes and layer.row_safe is not None
+        known = whole is not None and layer.row_safe is not None and layer.whole_known(whole)
         last = layer.index == self._last_active
         if known and not last:
             return self._run_whole(layer, mb, function, args, whole)

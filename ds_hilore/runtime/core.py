@@ -76,6 +76,8 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         self.matched_calls = False
         self._split_next = None  # the rows of the next microbatch, as the policy split them
         self._expected_next = None  # without a policy: the prediction for the next microbatch
+        self._handed_rows = None  # how many values the last expect() handed (``_check_handed``)
+        self._warned_handed = False
         self._warned_rows = False
         self._zero_seen = ZeroSeen()  # NOTE [ Zero sequences found late ] in unpredicted.py
         # NOTE [ Policy ]: what decides the plan (ds_hilore.plan's scheduler), or None: the plan
@@ -198,6 +200,7 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         Without the allocator (``set_plan`` / ``force_plan``) only the rows are split.
         """
         values = exposure.tolist() if isinstance(exposure, torch.Tensor) else exposure
+        self._handed_rows = None if values is None else len(values)
         self._zero_seen.predicted = self._zero_seen.predicted or values is not None
         if self.policy is not None:
             self.policy.expect(values, step_exposure, exposed_microbatches)
@@ -298,11 +301,12 @@ class HiLoReRuntime(Installation, Plans, LayerCalls):
         """A forward and backward that leave no trace in ``stats`` or in the units' reported
         actions (the scheduler's matched passes)."""
         saved = (self._mb, self._step, self._n_microbatches, [(u.action, u.nbytes) for u in self._units])
-        self._mb, self._step = None, []
+        handed, self._mb, self._step, self._handed_rows = self._handed_rows, None, [], None
         try:
             yield
         finally:
             self._mb, self._step, self._n_microbatches, units = saved
+            self._handed_rows = handed  # a prediction is for the next training forward
             for unit, (action, nbytes) in zip(self._units, units):
                 unit.action, unit.nbytes = action, nbytes
 

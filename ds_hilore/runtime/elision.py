@@ -107,7 +107,7 @@ class Elision:
         mass_read, held, late, disproved = read[:4]
         zero = [i for i, m in enumerate(mass_read) if m == 0]  # a sum of |ω|: 0 iff every |ω| is
         if not again:  # NOTE [ Zero sequences found late ] in unpredicted.py
-            self.runtime._zero_seen.found(every, len(zero))
+            self.runtime._zero_seen.found(every, len(zero), packed=segments is not None)
         mode = self.runtime.elision_mode(frames[0].device)  # NOTE [ Stand-ins on accelerators ]
         if mode is False or (mode == "whole" and not (
                 len(zero) == every and self._may_skip(mb, source))):

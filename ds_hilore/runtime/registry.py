@@ -18,7 +18,9 @@ from ds_hilore.grpo import handoff
 ATTACHED: "weakref.WeakSet" = weakref.WeakSet()  # HiLoReRuntime, while attached
 _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
 _generation = 0  # bumped whenever a runtime attaches or detaches (``_of_model``'s answers)
-_OF_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (generation, answer)
+# model -> (generation, (weak reference to its runtime or None, shared)): the runtime held
+# weakly, as it holds the model (a strong one would keep both alive for good)
+_OF_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def register(runtime) -> None:
@@ -26,6 +28,7 @@ def register(runtime) -> None:
     global _generation
     ATTACHED.add(runtime)
     _generation += 1
+    _OF_MODEL.clear()  # every answer kept is stale now
 
 
 def unregister(runtime) -> None:
@@ -33,6 +36,7 @@ def unregister(runtime) -> None:
     global _generation
     ATTACHED.discard(runtime)
     _generation += 1
+    _OF_MODEL.clear()
 
 
 def sharing(model: nn.Module) -> list:
@@ -125,11 +129,14 @@ def _of_model(model: nn.Module) -> tuple:
     (NOTE [ Whose loss, once per model ])."""
     kept = _OF_MODEL.get(model)
     if kept is not None and kept[0] == _generation:
-        return kept[1]
+        ref, shared = kept[1]
+        runtime = None if ref is None else ref()
+        if ref is None or runtime is not None:
+            return runtime, shared
     runtime = find_runtime(model)
-    answer = (runtime, runtime is not None or bool(sharing(model)))
-    _OF_MODEL[model] = (_generation, answer)
-    return answer
+    shared = runtime is not None or bool(sharing(model))
+    _OF_MODEL[model] = (_generation, (None if runtime is None else weakref.ref(runtime), shared))
+    return runtime, shared
 
 
 def _receive_coefficients(coefficients: torch.Tensor, logp: torch.Tensor, model: nn.Module | None) -> None:

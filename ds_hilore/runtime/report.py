@@ -42,7 +42,7 @@ def summarise(layers, mb) -> None:
             kept = held.get("H", 0) - (0 if norms is None else norms.untyped_storage().nbytes())
             learnt.append(kept if action == "H" and not held.get("L") else None)
         if frame.whole_key is not None and None not in learnt:
-            layer.whole_bytes[frame.whole_key] = learnt
+            layer.learn_whole(frame.whole_key, learnt)
     split = mb.split  # NOTE [ Kept rows only ] in rows.py: its zero rows were never kept
     mb.summary.update(index=mb.index, actions=actions, bytes=nbytes, counters=mb.counters,
                       exposure_source=mb.source,

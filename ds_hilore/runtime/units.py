@@ -55,6 +55,7 @@ ONE_UNIT = ("block",)
 # torch.compile's OptimizedModule holds the compiled module as ``_orig_mod``.
 _WRAPPER_PREFIXES = ("base_model.model.", "module.", "_orig_mod.")
 _COMPILED_INFIX = "._orig_mod"
+_MAX_WHOLE_SHAPES = 64  # input shapes a layer keeps the whole bytes of (LayerUnits.whole_bytes)
 _TOLD_COMPILED: "weakref.WeakSet" = weakref.WeakSet()  # runtimes that said it (NOTE [ Compiled layers ])
 
 
@@ -129,8 +130,23 @@ class LayerUnits:
     # call through a frame (NOTE [ Kept rows only ] in rows.py)
     row_safe: bool | None = None
     # bytes per unit its frame kept, by input shape, where it keeps what autograd keeps (NOTE
-    # [ A layer that keeps everything ] in calling.py)
+    # [ A layer that keeps everything ] in calling.py); the shapes used least recently are
+    # forgotten past _MAX_WHOLE_SHAPES (lengths that vary from step to step never come back)
     whole_bytes: dict = field(default_factory=dict)
+
+    def whole_known(self, key) -> bool:
+        """Whether the bytes of a call at ``key`` are known; marks ``key`` used now."""
+        if key not in self.whole_bytes:
+            return False
+        self.whole_bytes[key] = self.whole_bytes.pop(key)  # the most recent, last
+        return True
+
+    def learn_whole(self, key, held: list) -> None:
+        """The bytes per unit a frame at ``key`` kept; the least recent shapes forgotten."""
+        self.whole_bytes.pop(key, None)
+        self.whole_bytes[key] = held
+        while len(self.whole_bytes) > _MAX_WHOLE_SHAPES:
+            del self.whole_bytes[next(iter(self.whole_bytes))]
 
     @property
     def signature(self) -> tuple:
