@@ -125,6 +125,50 @@ def test_the_bytes_of_shapes_not_met_lately_are_forgotten_and_learnt_again(monke
         runtime.detach()
 
 
+def test_a_forward_summarised_after_its_shape_was_forgotten_reports_its_bytes(monkeypatch):
+    """Forwards of new shapes run before an earlier forward's loss (every forward first, then
+    the losses) make the layers forget that forward's shape: its summary at the loss reports
+    the bytes taken when it ran, and its gradients are the model's without HiLoRe."""
+    from ds_hilore.runtime import units
+
+    monkeypatch.setattr(units, "_MAX_WHOLE_SHAPES", 2)
+    model = tiny_model("qwen2", layers=2, dropout=False)
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, dict(WHOLE))
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.0])
+
+    def logp_of(net, ids):
+        logits = net(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        return logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    def loss_of(net, logp):
+        return policy_loss(logp, logp.detach(), advantages, torch.ones_like(logp),
+                           model=net).loss
+    ids = [torch.randint(3, VOCAB, (4, seq), generator=torch.Generator().manual_seed(seq))
+           for seq in (10, 12, 14, 16)]
+    try:
+        loss_and_grads(model, batch(seq=8))  # discovery
+        runtime.end_step()
+        for _ in range(2):  # 10 learnt through the frames, then run without them
+            loss_of(model, logp_of(model, ids[0])).backward()
+            runtime.end_step()
+        learnt = runtime.stats["bytes"]["H"]
+        assert sorted(runtime._mb.whole) == [0, 1] and learnt > 0
+        model.zero_grad(set_to_none=True)
+        logps = [logp_of(model, x) for x in ids]  # 10 without frames, then three new shapes
+        assert all(10 not in [key[0][0][1] for key in layer.whole_bytes] for layer in runtime._layers)
+        for logp in logps:  # the first one's summary read at its loss, after the others ran
+            loss_of(model, logp).backward()
+        want = torch.autograd.grad(sum(loss_of(ref, logp_of(ref, x)) for x in ids),
+                                   [p for p in ref.parameters() if p.requires_grad])
+        got = [p.grad for p in model.parameters() if p.requires_grad]
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(want, got))
+        runtime.end_step()
+        assert runtime.stats["microbatches"][0]["bytes"]["H"] == learnt
+    finally:
+        runtime.detach()
+
+
 def test_without_a_frame_it_keeps_the_storages_autograd_keeps():
     """What the forward leaves alive without frames is, byte for byte, what the model without
     HiLoRe leaves; through the frames, that and no more than the last layer's inputs, which its

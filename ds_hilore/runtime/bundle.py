@@ -132,8 +132,10 @@ class LayerFrame:
         # (NOTE [ A layer that keeps everything ] in calling.py)
         self.whole_key: tuple | None = None
         # the last layer keeping what autograd keeps: run without the pack hooks, its bytes
-        # those learnt at ``whole_key``; nothing of it is downgraded (calling.py, same NOTE)
+        # those learnt at ``whole_key`` (``whole_held``, taken when it ran); nothing of it is
+        # downgraded (calling.py, same NOTE)
         self.kept_whole = False
+        self.whole_held: list | None = None
 
     @property
     def sequences(self) -> int:
@@ -362,7 +364,7 @@ class LayerFrame:
         if self.plan.actions[pos] == "R":
             return "R", {}
         if self.kept_whole:  # learnt by a frame that ran the layer at these shapes
-            return "H", {"H": self.layer.whole_bytes[self.whole_key][pos], "L": 0}
+            return "H", {"H": self.whole_held[pos], "L": 0}
         unit = self.units[pos]
         states, total = set(), {"H": 0, "L": 0}
         for stored in unit.stored:

@@ -73,7 +73,7 @@ class LayerCalls:
         rows = hidden.shape[0] if hidden.dim() >= 2 else 1
         if handed == rows:
             return
-        packed = (" A packed row (several sequences in one row) runs its layers whole: a "
+        packed = (" Where one row packs several sequences, they run its layers together: a "
                   "prediction cannot run part of a row apart." if rows == 1 else "")
         logger.log(logging.DEBUG if self._warned_handed else logging.WARNING,  # said once
                    "ds_hilore: expect() was handed %d values before a forward of %d rows: not "
@@ -128,7 +128,8 @@ class LayerCalls:
         frame = LayerFrame(layer, function, args, plan, mb)
         frame.whole_key = whole  # its bytes serve the calls without a frame at this shape
         if known:  # the last layer: a frame for the microbatch's checks, not for keeping
-            frame.kept_whole, mb.top_frame, mb.whole[layer.index] = True, frame, whole
+            frame.kept_whole, mb.top_frame = True, frame
+            frame.whole_held = mb.whole[layer.index] = layer.whole_bytes[whole]
         if mb.packed is not False:  # one-row inputs only: position_ids are (1, T) for any batch
             mb.packed = frame.batch == 1 and self._packed_sequences(mb, frame, function)
         mb.frames[layer.index] = weakref.ref(frame)
@@ -279,7 +280,10 @@ class LayerCalls:
     # with the elision's hook on its output as any layer. Its bytes are reported as its frame
     # counted them for inputs of the same shapes (and autocast), less the exposure's token norms
     # only a frame computes: the first call at a shape runs through the frame, later ones
-    # without it.
+    # without it. A layer keeps the bytes of its most recent shapes only (lengths that vary
+    # per step never come back; ``LayerUnits.learn_whole``), and a microbatch takes those of
+    # its own when it runs (``mb.whole``): its summary, made again at its loss, reads them
+    # after later forwards of other shapes may have made the layer forget them.
     # The last HiLoRe layer keeps a frame for the microbatch's own work -- the coefficients'
     # shapes, the elision's flags and the check at the top of the backward, the summary -- but
     # that frame keeps nothing (``kept_whole``: no pack hook, no inputs held, nothing of it
@@ -318,7 +322,7 @@ class LayerCalls:
         return _shapes(args) + _shapes(tuple(keywords.items())) + (autocast,)
 
     def _run_whole(self, layer: LayerUnits, mb: Microbatch, function, args: tuple, key: tuple):
-        mb.whole[layer.index] = key
+        mb.whole[layer.index] = layer.whole_bytes[key]
         return self._without_frame(layer, mb, function(*args), functools.partial(
             self._elision.on_layer_grad, mb, _NO_FRAME, False))
 

@@ -80,9 +80,11 @@ class Microbatch:
         self.risk_here: list[float] = []  # ... of every unit, in step units, this rank's
         self.as_gc = False  # it ran as gradient checkpointing (NOTE [ Never slower than GC ])
         self.checkpointed: set[int] = set()  # layers run without a frame (NOTE [ A layer that keeps nothing ])
-        # layers run without a frame, keeping what autograd keeps: layer -> the shape their
-        # bytes were counted at (NOTE [ A layer that keeps everything ] in calling.py)
-        self.whole: dict[int, tuple] = {}
+        # layers run without a frame, keeping what autograd keeps (and the last layer's frame
+        # that keeps nothing): layer -> bytes per unit, as learnt at their shape when they ran
+        # -- taken then, the layer's cache may forget that shape before a late summary (NOTE
+        # [ A layer that keeps everything ] in calling.py)
+        self.whole: dict[int, list] = {}
         self.split = None  # its rows kept and run without autograd (NOTE [ Kept rows only ] in rows.py)
         self.rows_refused = False  # planned for its kept rows, run whole and all R instead
         self.rows_due = False  # some rank split its rows: their merges leave late flags (agreed)

@@ -23,7 +23,7 @@ def summarise(layers, mb) -> None:
             actions["R"] += len(layer.units)
             continue
         if frame is None and layer.index in mb.whole:  # NOTE [ A layer that keeps everything ]
-            for unit, held in zip(layer.units, layer.whole_bytes[mb.whole[layer.index]]):
+            for unit, held in zip(layer.units, mb.whole[layer.index]):
                 unit.action, unit.nbytes = "H", held
                 actions["H"] += 1
                 nbytes["H"] += held
