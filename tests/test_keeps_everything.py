@@ -48,6 +48,18 @@ def _bitwise(ref: dict, got: dict) -> bool:
     return ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
 
+def _discovered(model, monkeypatch):
+    """(a copy of ``model`` without HiLoRe, the runtime storing every unit whole, the pack-hook
+    counter), after a first step that finds the units."""
+    ref = copy.deepcopy(model)
+    runtime = ds_hilore.attach(model, dict(WHOLE))
+    packs = _Packs(monkeypatch)
+    loss_and_grads(model, batch(seq=8))  # discovery
+    runtime.end_step()
+    packs.take()
+    return ref, runtime, packs
+
+
 def _live_after_forward(model, inputs) -> int:
     """Bytes of the storages the forward made and kept (autograd's and the runtime's)."""
     with LiveStorages() as tracker:
@@ -66,13 +78,8 @@ def test_a_layer_that_keeps_everything_runs_without_its_frame_bitwise(lora, monk
     same bytes reported; a new shape is learnt again."""
     model = tiny_model("qwen2", layers=LAYERS, dropout=False)
     model = with_lora(model) if lora else model
-    ref = copy.deepcopy(model)
-    runtime = ds_hilore.attach(model, dict(WHOLE))
-    packs = _Packs(monkeypatch)
+    ref, runtime, packs = _discovered(model, monkeypatch)
     try:
-        loss_and_grads(model, batch(seq=8))  # discovery
-        runtime.end_step()
-        packs.take()
         for seq, framed in ((16, True), (16, False), (16, False), (24, True), (24, False)):
             inputs = batch(seq=seq, seed=seq)
             _, want = loss_and_grads(ref, inputs)
@@ -103,12 +110,8 @@ def test_the_bytes_of_shapes_not_met_lately_are_forgotten_and_learnt_again(monke
 
     monkeypatch.setattr(units, "_MAX_WHOLE_SHAPES", 3)
     model = tiny_model("qwen2", layers=2, dropout=False)
-    ref = copy.deepcopy(model)
-    runtime = ds_hilore.attach(model, dict(WHOLE))
-    packs = _Packs(monkeypatch)
+    ref, runtime, packs = _discovered(model, monkeypatch)
     try:
-        loss_and_grads(model, batch(seq=8))  # discovery
-        runtime.end_step()
         # 10 learnt, then kept by its use; 14 forgotten after three newer shapes
         for seq, framed in ((10, True), (12, True), (14, True), (10, False), (16, True),
                             (18, True), (10, False), (14, True), (14, False)):
