@@ -97,7 +97,7 @@ def load_state_dict(scheduler, state: dict[str, Any]) -> None:
     scheduler.calibration_draws = int(state.get("calibration_draws", scheduler.calibrated))
     scheduler.step_exposure = StepExposure.from_dict(state.get("step_exposure", {}))
     # NOTE [ A steady step agrees nothing before its forwards ] in steady.py: a run loaded
-    # mid-way agrees its next step, as a resumed one does
+    # mid-way agrees again before it is steady, as a resumed one does
     scheduler.steady = scheduler.unsettled = False
     scheduler.unheld = scheduler.pending = 0
     for data in state.get("profiles", []):

@@ -55,8 +55,8 @@ logger = logging.getLogger("ds_hilore")
 # as GC, a prediction is not used in the steady step (the ranks without one run as GC) and
 # makes the next step agree, whose ranks split their rows together; so do the steps after it
 # while predictions come to a bucket that runs as GC. ``hold_out``, called on every rank at the
-# same point, ends the steady step there; a resumed run agrees its first step; one process has
-# nothing to agree.
+# same point, ends the steady step there; a resumed run agrees again (a few steps) before it is
+# steady; one process has nothing to agree.
 # The agreement saved is small on a CPU (an all-reduce of a few values between 2 gloo
 # processes: 0.5-2 ms, plus the wait for the slower rank), but it is a point where every rank
 # waits for the others before its forward, and on an accelerator the forward's first kernels

@@ -57,12 +57,14 @@ class LayerCalls:
     def _begin_at_layer(self, layer: LayerUnits, args: tuple, function) -> None:
         """A forward that did not pass through the model's pre-hook: begin it here."""
         begun, self._forward_begun = self._forward_begun, False
-        if layer is self._layers[0] and self._handed_rows is not None:
-            self._check_handed(hidden_input(args, getattr(function, "keywords", {})))
-        if not begun and layer is self._layers[0]:
+        if layer is not self._layers[0]:
+            return
+        hidden = hidden_input(args, getattr(function, "keywords", {}))  # (B, T, H)
+        if self._handed_rows is not None:
+            self._check_handed(hidden)
+        if not begun:
             self._run_when_units_known()
-        if not begun and layer is self._layers[0] and self._plans_forward():
-            hidden = hidden_input(args, getattr(function, "keywords", {}))  # (B, T, H)
+        if not begun and self._plans_forward():
             self.policy.begin_forward((hidden,), {}, replayable=False)
 
     def _check_handed(self, hidden: torch.Tensor) -> None:

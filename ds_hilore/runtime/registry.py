@@ -17,25 +17,21 @@ from ds_hilore.grpo import handoff
 
 ATTACHED: "weakref.WeakSet" = weakref.WeakSet()  # HiLoReRuntime, while attached
 _MAX_GRAPH_WALK = 10_000  # autograd nodes visited to find which forward log-probs came from
-_generation = 0  # bumped whenever a runtime attaches or detaches (``_of_model``'s answers)
-# model -> (generation, (weak reference to its runtime or None, shared)): the runtime held
-# weakly, as it holds the model (a strong one would keep both alive for good)
+# model -> (weak reference to its runtime or None, shared), cleared whenever a runtime attaches
+# or detaches: the runtime held weakly, as it holds the model (a strong one would keep both
+# alive for good)
 _OF_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def register(runtime) -> None:
     """``runtime`` attached: found from now on."""
-    global _generation
     ATTACHED.add(runtime)
-    _generation += 1
     _OF_MODEL.clear()  # every answer kept is stale now
 
 
 def unregister(runtime) -> None:
     """``runtime`` detached."""
-    global _generation
     ATTACHED.discard(runtime)
-    _generation += 1
     _OF_MODEL.clear()
 
 
@@ -128,14 +124,14 @@ def _of_model(model: nn.Module) -> tuple:
     """(``find_runtime(model)``, whether any runtime shares modules with ``model``), kept
     (NOTE [ Whose loss, once per model ])."""
     kept = _OF_MODEL.get(model)
-    if kept is not None and kept[0] == _generation:
-        ref, shared = kept[1]
+    if kept is not None:
+        ref, shared = kept
         runtime = None if ref is None else ref()
         if ref is None or runtime is not None:
             return runtime, shared
     runtime = find_runtime(model)
     shared = runtime is not None or bool(sharing(model))
-    _OF_MODEL[model] = (_generation, (None if runtime is None else weakref.ref(runtime), shared))
+    _OF_MODEL[model] = (None if runtime is None else weakref.ref(runtime), shared)
     return runtime, shared
 
 
