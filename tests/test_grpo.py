@@ -542,6 +542,35 @@ def test_drop_zero_rows_keeps_one_row_and_refuses_a_kl_term():
         drop_zero_rows(torch.ones(3), mask, beta=0.04)
 
 
+def test_drop_zero_rows_keeps_a_row_whose_loss_is_defined():
+    """Every row zero and the first one padding: the row kept has a token, so its loss is 0
+    (not the 0/0 a row without any would raise) and the rank still runs a backward."""
+    mask = torch.tensor([[0.0] * 4, [1.0, 1.0, 0.0, 0.0], [1.0] * 4])
+    sel = drop_zero_rows(torch.zeros(3), mask)
+    assert sel.index.tolist() == [1]
+    logp = torch.zeros(3, 4, requires_grad=True)
+    out = policy_loss(sel.select(logp), sel.select(logp.detach()), sel.select(torch.zeros(3)),
+                      sel.select(mask), **sel.loss_kwargs)
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+    assert (logp.grad == 0).all()
+    assert drop_zero_rows(torch.zeros(2), torch.zeros(2, 4)).index.tolist() == [0]  # no tokens at all
+
+
+@pytest.mark.parametrize("adv", [0.0, -1.0, 1.0])
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_a_ratio_that_overflows_gives_the_coefficient_autograd_gives(adv, dual):
+    """A token's ratio beyond fp32's range (exp -> inf): autograd's gradient there is inf or NaN
+    (a clamp's zero times exp's inf), never 0, so the row is not declared zero where its true
+    gradient is not (with the dual clip it once was)."""
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -101.0, -1.5]])  # log-ratios 0, 100 (inf in fp32), 0.5
+    out = policy_loss(logp, old, torch.tensor([adv]), torch.ones(1, 3), dual_clip=dual)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    torch.testing.assert_close(out.coefficients.to(grad.dtype), grad, equal_nan=True)
+    assert not (out.coefficients[0, 1] == 0)  # inf or NaN, as autograd's
+
+
 def test_garbage_in_zero_sequences_saved_activations_leaves_gradients_bitwise_unchanged(model):
     """Every floating saved tensor of the model's forward whose dim 0 is B (or B·T) gets finite
     garbage in the rows of A = 0 sequences on unpack; no parameter gradient may change."""

@@ -96,16 +96,17 @@ def _clipped_loss(logp: Tensor, log_weight: Tensor, adv: Tensor, clip: Clip) -> 
 
 
 def _clipped_grads(logp: Tensor, log_weight: Tensor, adv: Tensor, clip: Clip):
-    # d/dlw of -min(c1·A, c2·A): clamp passes the gradient on its closed interval, exp' = exp.
+    # d/dlw of -min(c1·A, c2·A): clamp passes the gradient on its closed interval, exp' = exp,
+    # applied last as autograd does (a ratio that overflows to inf gives NaN there, never 0).
     c = torch.exp(log_weight)
-    c1, dc1 = c, c
+    c1, pass1 = c, 1.0
     if clip.dual is not None:
         c1 = torch.clamp(c, max=clip.dual)
-        dc1 = torch.where(c <= clip.dual, c, 0.0)
+        pass1 = (c <= clip.dual).to(c.dtype)
     c2 = torch.clamp(c, 1.0 - clip.low, 1.0 + clip.high)
-    dc2 = torch.where((c >= 1.0 - clip.low) & (c <= 1.0 + clip.high), c, 0.0)
+    pass2 = ((c >= 1.0 - clip.low) & (c <= 1.0 + clip.high)).to(c.dtype)
     s1, s2 = _min_split(c1 * adv, c2 * adv)
-    return -adv * (s1 * dc1 + s2 * dc2), None
+    return -adv * (s1 * pass1 + s2 * pass2) * c, None
 
 
 def _clipped_flags(log_weight: Tensor, adv: Tensor, clip: Clip) -> dict[str, Tensor]:

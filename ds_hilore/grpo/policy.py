@@ -434,7 +434,8 @@ def drop_zero_rows(advantages: Tensor, mask: Tensor, *, beta: float = 0.0) -> Ro
     attention never mixes sequences). Dropping it saves its forward and backward; keeping the
     normaliser (``loss_kwargs``; dapo's ``num_items_in_batch`` must still count its tokens, as
     TRL's does) leaves every other row's ω, hence the gradient, unchanged. At least one row is
-    kept, so every rank still runs a backward and ZeRO's reductions do not hang.
+    kept (one with a completion token where any row has one, so its loss is defined), so every
+    rank still runs a backward and ZeRO's reductions do not hang.
 
     "Unchanged" is exact in value; in floating point, parameter gradients that sum over all
     positions (norm weights, biases) are bitwise equal only while the shorter sum adds the same
@@ -461,8 +462,10 @@ def drop_zero_rows(advantages: Tensor, mask: Tensor, *, beta: float = 0.0) -> Ro
         )
     live = (advantages != 0) & (mask != 0).any(dim=-1)  # (B,)
     index = live.nonzero().flatten()
-    if index.numel() == 0:
-        index = torch.zeros(1, dtype=torch.long, device=advantages.device)  # keep one row: ω ≡ 0 there
+    if index.numel() == 0:  # keep one row, with a token if any has one: ω ≡ 0 there, the loss 0
+        with_tokens = (mask != 0).any(dim=-1).nonzero().flatten()
+        index = (with_tokens[:1] if with_tokens.numel()
+                 else torch.zeros(1, dtype=torch.long, device=advantages.device))
     # Σ mask in the dtype policy_loss uses, so the normaliser is bitwise the full batch's one.
     batch_tokens = mask.to(torch.promote_types(torch.float32, advantages.dtype)).sum()
     return RowSelection(index=index, batch_size=int(advantages.shape[0]), batch_tokens=batch_tokens)
