@@ -28,12 +28,18 @@ def folder(tmp_path, monkeypatch):
     later test runs a package this one built."""
     monkeypatch.setenv("DS_HILORE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(codec_ahead, "_hinted", False)
-    codec_ahead.cache_folder.cache_clear()
+    _forget()
     yield tmp_path
+    _forget()
+
+
+def _forget() -> None:
+    """Every kernel forgets the folder's packages: those it loaded, those it looked for."""
     codec_ahead.cache_folder.cache_clear()
     for spec in CODECS.values():
         for kernel in spec.kernels():
             kernel.ahead.clear()
+            kernel._looked.clear()
 
 
 def _inputs():
@@ -49,16 +55,21 @@ def _inputs():
 
 @pytest.mark.slow
 @needs_compile
-def test_kernels_built_ahead_load_without_compiling_and_match_eager_bitwise(folder):
+def test_kernels_built_ahead_load_without_compiling_and_match_eager_bitwise(folder, monkeypatch):
     paths = codecs.build_ahead(["int8"], [torch.float32], say=lambda line: None)
-    assert {p.name for p in paths} == {"_int8_encode-float32.pt2", "_int8_encode_fast-float32.pt2",
-                                       "_int8_rescale-float32.pt2"}
+    assert {p.name for p in paths} == {"_int8_encode-float32", "_int8_encode_fast-float32",
+                                       "_int8_rescale-float32"}
     assert all(p.parent == codec_ahead.cache_folder() and p.parent.parent.parent == folder
-               for p in paths)
+               and p.is_dir() for p in paths)  # unpacked: read in place
+    assert sorted(codec_ahead.cache_folder().iterdir()) == sorted(paths)  # nothing left aside
     before = compiled_graph_counts()
     ahead, eager = get_codec("int8", backend="compile"), get_codec("int8", backend="eager")
+    scratch = folder / "scratch"  # where the loader would unpack a package file
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     ahead.warmup((torch.float32,), "cpu")
     assert all(k.ahead for k in INT8 if codec_ahead.signature(k.name))
+    assert list(scratch.iterdir()) == []  # nothing a killed rank would leave behind
     for x in _inputs():
         for measure in (True, False):
             got, want = ahead.pack(x, measure), eager.pack(x, measure)
@@ -81,12 +92,18 @@ def test_kernels_built_ahead_load_without_compiling_and_match_eager_bitwise(fold
     # a second build finds them there and builds nothing
     said = []
     assert codecs.build_ahead(["int8"], [torch.float32], say=said.append) == paths and said == []
+    # a dtype the warm-up did not load (a bf16 model's fp32 norms) is loaded at its first call
+    _forget()
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ahead.pack(x, False).payload, eager.pack(x, False).payload)
+    assert (torch.float32,) in next(k for k in INT8 if k.name == "_int8_encode_fast").ahead
+    assert compiled_graph_counts() == before  # loaded, not compiled
 
 
 def test_a_package_that_does_not_load_is_said_and_compiled_at_run_time(folder, caplog):
-    path = codec_ahead.cache_folder() / "_int8_encode-float32.pt2"
-    path.parent.mkdir(parents=True)
-    path.write_bytes(b"not a package")
+    path = codec_ahead.cache_folder() / "_int8_encode-float32"
+    path.mkdir(parents=True)
+    (path / "archive_format").write_bytes(b"not a package")
     with caplog.at_level(logging.WARNING, logger="ds_hilore"):
         assert codec_ahead.load("_int8_encode", torch.float32) is None
     assert "does not load" in caplog.text and "compiled at run time" in caplog.text
@@ -135,3 +152,38 @@ def test_the_folder_names_what_the_code_depends_on(folder, monkeypatch):
     elsewhere = codec_ahead.cache_folder()
     assert elsewhere.parent == here.parent and elsewhere != here
     assert not codec_ahead.signature("_fp8_encode_ragged")  # takes a block size: run time only
+
+
+@pytest.mark.slow
+@needs_compile
+def test_a_package_that_does_not_load_is_built_again(folder):
+    """A folder there that does not load (a disk error, one damaged by hand) is replaced by the
+    next build, not kept for good."""
+    path = codec_ahead._path("_int8_rescale", torch.float32)
+    path.mkdir(parents=True)
+    (path / "archive_format").write_bytes(b"not a package")
+    kernel = next(k for k in INT8 if k.name == "_int8_rescale")
+    assert codec_ahead.build(kernel.name, kernel.fn, torch.float32) == path
+    assert codec_ahead.load(kernel.name, torch.float32) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_codec_is_warmed_for_the_activations_dtype_and_fp32(dtype, monkeypatch):
+    """NOTE [ A codec's first use ] (plan/metering.py): a bf16 model's norms save fp32 tensors,
+    packed too, so its warm-up covers fp32 besides bf16 (before, fp32's kernels compiled at
+    their first pack, inside a profiled microbatch)."""
+    from models import VOCAB, tiny_model
+
+    import ds_hilore
+
+    warmed = []
+    monkeypatch.setattr(codecs.Codec, "warmup",
+                        lambda self, dtypes=(torch.float32,), device="cpu": warmed.append(dtypes))
+    model = tiny_model("qwen2", layers=2, hidden=64, heads=4, intermediate=128, dropout=False)
+    runtime = ds_hilore.attach(model.to(dtype), {"low_precision": "int8"})
+    try:
+        ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, use_cache=False).logits.float().mean().backward()
+        assert warmed == [(dtype,) if dtype == torch.float32 else (dtype, torch.float32)]
+    finally:
+        runtime.detach()

@@ -260,7 +260,9 @@ def test_compiled_kernels_do_not_recompile_for_new_shapes():
             c.unpack(c.pack(gaussian(16, 384), measure))  # fp8-block: (16*3, 128) rows
             c.unpack(c.pack(gaussian(16, 200), measure))  # fp8-block: ragged kernels
     before = compiled_graph_counts()
-    assert all(v >= 1 for v in before.values()), before
+    # int8 decodes on a CPU with ATen's cast and the rescale: its fused decoder is an
+    # accelerator's (compiled here only where an earlier test of the process ran it)
+    assert all(v >= 1 for k, v in before.items() if k != "_int8_decode_into"), before
     # new N and G; G > 4096 and N == G, which inductor / duck sizing would otherwise guard
     # on; autocast on, as in a mixed-precision forward (its state is a dynamo guard); sizes
     # of 1 (e.g. a norm's (B*T, 1) rstd), which dynamo specialises: they run eager

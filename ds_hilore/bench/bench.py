@@ -47,7 +47,8 @@ def main(args) -> int:
     if config.codec_backend == "compile" and config.device == "cpu":  # once per machine
         from ds_hilore.runtime.codecs import build_ahead  # NOTE [ Codec kernels built ahead ]
 
-        build_ahead(["int8"], [torch_dtype(config.dtype)], say=_say)
+        dtypes = dict.fromkeys([torch_dtype(config.dtype), torch_dtype("fp32")])  # fp32 too:
+        build_ahead(["int8"], list(dtypes), say=_say)  # what a bf16 model's norms save
     conductor = Conductor(config, args.json)
     samples = run_ranks(config, conductor)  # 2. the ranks: data, engines, rounds
     if samples is None:

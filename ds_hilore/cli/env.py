@@ -101,7 +101,8 @@ def _built() -> str:
     from ds_hilore.runtime.codec_ahead import cache_folder
 
     folder = cache_folder()
-    found = sorted(p.stem for p in folder.glob("*.pt2")) if folder.is_dir() else []
+    found = ([p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]  # not
+             if folder.is_dir() else [])  # a build under way
     return (f"{len(found)} in {folder}" if found else
             f"none ({folder}; `hilore env --build-codecs` builds them)")
 

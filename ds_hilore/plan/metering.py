@@ -267,8 +267,9 @@ class Metering(PlanChecks):
     # Left to the first pack, that is inside a profiled microbatch: GC's peak then read 5.6 %
     # high and a relative budget with it (measured: a peak of 1.051x GC's at memory_budget
     # 1.05). So the kernels are compiled at the runtime's first forward, before the first step's
-    # reading, for the activations' dtype (autocast's, else the first floating parameter's; a
-    # pack in another dtype compiles its own graph when it comes): from then on the memory is
+    # reading, for the activations' dtype (autocast's, else the first floating parameter's) and
+    # fp32 (what a bf16 model's norms save; a pack in yet another dtype compiles its own graph
+    # when it comes, or loads it where it was built ahead): from then on the memory is
     # in every reading and in none of the growth. The time it takes (a few seconds with
     # inductor's on-disk cache, once per process; milliseconds where the kernels were built
     # ahead: NOTE [ Codec kernels built ahead ] in runtime/codec_ahead.py) is the step's
@@ -297,7 +298,8 @@ class Metering(PlanChecks):
             return
         self.codec_warm = True
         begin = time.perf_counter()
-        codec.warmup((_activation_dtype(self.s.runtime.model, device),), device)
+        dtype = _activation_dtype(self.s.runtime.model, device)  # and fp32: a bf16 model's norms
+        codec.warmup(tuple(dict.fromkeys((dtype, torch.float32))), device)
         self.s.warm_up("compile", time.perf_counter() - begin)
 
     def grown(self) -> tuple[dict[int, int], int | None]:

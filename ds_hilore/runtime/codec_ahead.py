@@ -14,8 +14,10 @@ activation dtype, under ``DS_HILORE_CACHE_DIR`` (default ``~/.cache/ds_hilore``)
 named by what the code depends on -- torch's version, the machine and its CPU capability, and a
 hash of the kernels' source, of this module and of the CPU's model and instruction-set flags
 (inductor compiles for the CPU it runs on: a folder shared between machines must not hand one a
-package built for another). A run whose packages are there loads them in
-milliseconds and compiles nothing; a run without them compiles as before and says once how to
+package built for another). Each package is kept unpacked, a folder the loader reads in place
+(``_path``). A run whose packages are there loads them in milliseconds and compiles nothing,
+for its activations' dtype and for every other dtype its saved tensors have when they are met
+(a bf16 model's norms save fp32); a run without them compiles as before and says once how to
 build them (``hilore env --build-codecs``; the bench and ``make demo`` build them before their
 ranks start). A package that does not load, or fails when run, is said and its kernel compiled
 at run time; where inductor finds no compiler nothing is built (said), and a build that fails is
@@ -41,12 +43,13 @@ import platform
 import shutil
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-__all__ = ["build", "build_all", "cache_folder", "load", "load_into", "signature"]
+__all__ = ["build", "build_all", "cache_folder", "load", "load_into", "load_key", "signature"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,10 @@ def _cpu_model() -> str:
 
 
 def _path(name: str, dtype: torch.dtype) -> Path:
-    return cache_folder() / f"{name}-{str(dtype).removeprefix('torch.')}.pt2"
+    """The kernel's package, unpacked: a folder the loader reads in place. A ``.pt2`` file is
+    unpacked again at every load into a temporary folder of its own (~1.6 MB), removed only
+    when the loader is destroyed: a rank ended by a signal or ``os._exit`` left them behind."""
+    return cache_folder() / f"{name}-{str(dtype).removeprefix('torch.')}"
 
 
 class _Module(torch.nn.Module):
@@ -140,10 +146,10 @@ class _Module(torch.nn.Module):
 
 def build(name: str, fn: Callable, dtype: torch.dtype) -> Path:
     """Export and compile the kernel ``fn`` (named ``name``) for activations of ``dtype`` into
-    its package, unless it is there; returns its path. Written under a temporary name and moved
-    into place, so that ranks building at once never load half a package."""
+    its package, unless it is there; returns its path. Built and unpacked aside and moved into
+    place, so that ranks building at once never load half a package."""
     path = _path(name, dtype)
-    if path.exists() and _loader(path) is not None:
+    if _loader(path) is not None:
         return path
     make, payload, _ = _SIGNATURES[name]
     args, dims = make(dtype, payload, _ROWS, _FEATURES)
@@ -152,16 +158,26 @@ def build(name: str, fn: Callable, dtype: torch.dtype) -> Path:
                      for d, label in spec.items()} for spec in dims)
     path.parent.mkdir(parents=True, exist_ok=True)
     aside = tempfile.mkdtemp(prefix=".building-", dir=path.parent)  # not a package until moved
-    temporary = os.path.join(aside, path.name)
+    archive, unpacked = os.path.join(aside, path.name + ".pt2"), os.path.join(aside, path.name)
     try:
         with warnings.catch_warnings():  # torch's own deprecation notices, not the user's
             warnings.simplefilter("ignore", FutureWarning)
             program = torch.export.export(_Module(fn), args, dynamic_shapes=(dynamic,),
                                           strict=False)
-            torch._inductor.aoti_compile_and_package(program, package_path=temporary,
+            torch._inductor.aoti_compile_and_package(program, package_path=archive,
                                                      inductor_configs=_INDUCTOR)
-        os.chmod(temporary, 0o644)  # readable by every user of a shared cache
-        os.replace(temporary, path)
+        with zipfile.ZipFile(archive) as package:
+            package.extractall(unpacked)
+        for folder, _, files in os.walk(unpacked):  # readable by every user of a shared cache
+            os.chmod(folder, 0o755)
+            for file in files:
+                os.chmod(os.path.join(folder, file), 0o755 if file.endswith(".so") else 0o644)
+        try:
+            os.rename(unpacked, path)
+        except OSError:  # there already: another rank's, used; or one that does not load
+            if _loader(path) is None:
+                shutil.rmtree(path, ignore_errors=True)
+                os.rename(unpacked, path)
     finally:
         shutil.rmtree(aside, ignore_errors=True)
     return path
@@ -188,10 +204,24 @@ def load(name: str, dtype: torch.dtype) -> Callable | None:
 
 
 def _loader(path: Path) -> Callable | None:
+    if not path.is_dir():  # a file would be unpacked into a temporary folder (``_path``)
+        return None
     try:
         return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).run
     except Exception:  # noqa: BLE001 -- any loader failure: not a usable package
         return None
+
+
+def load_key(kernel, key: tuple[torch.dtype, ...], dtypes) -> None:
+    """Load into ``kernel`` what was built ahead for the activation dtype among ``dtypes`` whose
+    arguments have the dtypes ``key``: a dtype the run's warm-up did not load (nothing said
+    where none was built: the warm-up said how to build them)."""
+    for dtype in dtypes:
+        if _key(kernel.name, dtype) == key and _path(kernel.name, dtype).exists():
+            run = load(kernel.name, dtype)
+            if run is not None:
+                kernel.ahead[key] = run
+            return
 
 
 _hinted = False

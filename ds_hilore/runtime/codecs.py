@@ -203,8 +203,10 @@ class _Kernel:
         self._compiled: Callable | None = None
         self._traced: set[tuple[torch.dtype, ...]] = set()  # argument dtypes traced so far
         # argument dtypes -> the kernel built ahead for them (NOTE [ Codec kernels built ahead ]
-        # in codec_ahead.py), loaded by ``Codec.warmup``; CPU tensors only
+        # in codec_ahead.py), loaded by ``Codec.warmup``, or at their first call for dtypes it
+        # did not warm (looked for once); CPU tensors only
         self.ahead: dict[tuple[torch.dtype, ...], Callable] = {}
+        self._looked: set[tuple[torch.dtype, ...]] = set()
 
     @property
     def name(self) -> str:
@@ -228,8 +230,11 @@ class _Kernel:
     def compiled(self, *args):
         """Run the compiled kernel; _FAILED if it cannot be compiled (then use ``fn``)."""
         device_type = args[0].device.type
-        if self.ahead and device_type == "cpu":  # every argument a tensor (codec_ahead.py)
+        if device_type == "cpu" and codec_ahead.signature(self.name):  # every argument a tensor
             key = tuple(a.dtype for a in args)
+            if key not in self.ahead and key not in self._looked:
+                self._looked.add(key)
+                codec_ahead.load_key(self, key, INPUT_DTYPES)
             built = self.ahead.get(key)
             if built is not None and all(a.is_contiguous() for a in args):
                 try:
