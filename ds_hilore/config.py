@@ -13,6 +13,7 @@ Example::
 import difflib
 import fnmatch
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
@@ -29,6 +30,8 @@ from pydantic import (
 )
 
 from ds_hilore._errors import HiLoReConfigError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ACTIONS", "ACTIVATE", "LOW_PRECISION", "HiLoReConfig"]
 
@@ -114,7 +117,7 @@ class HiLoReConfig(_ConfigModel):
     force_plan: Optional[Union[Literal[ACTIONS], dict[str, Literal[ACTIONS]]]] = Field(None,
         description="Fixed actions, overriding allocator and budget: one action for every "
         "unit, or a mapping unit-name glob (fnmatch) -> action; the LAST matching glob wins.")
-    layer_pattern: Optional[str] = Field(None, strict=True, description=(
+    layer_pattern: Optional[str] = Field(None, strict=True, min_length=1, description=(
         "Glob (fnmatch) over module names of decoder layers; null = GradientCheckpointingLayers."))
     attn_children: Optional[list[_Str]] = Field(None, description=(
         "Override: child-module names of a decoder layer that form its attention unit; null = "
@@ -239,6 +242,8 @@ class HiLoReConfig(_ConfigModel):
                 f"a ds_config must be a dict or the path of a JSON file, not a "
                 f"{type(ds_config).__name__}. Fix: pass what deepspeed.initialize(config=) gets.")
         block = ds_config.get("hilore")
+        if block is None:
+            _say_a_misspelt_block(ds_config)
         return cls(enabled=False) if block is None else cls._from_block(block)
 
     @classmethod
@@ -351,14 +356,42 @@ def _allowed(key: str) -> str:
     elif base in (int, float):
         text = f"{'an integer' if base is int else 'a number'} {' and '.join(bounds)}".rstrip()
     else:
-        text = {bool: "true or false", str: "a string"}.get(base, "a list of strings")
+        nonempty = any(getattr(m, "min_length", None) for m in info.metadata)
+        text = {bool: "true or false", str: "a non-empty string" if nonempty else "a string"
+                }.get(base, "a list of strings")
     return text + (" or null" if type(None) in args else "")
+
+
+def _say_a_misspelt_block(ds_config: Mapping) -> None:
+    """A top-level key that looks like ``"hilore"`` but is not it (``"HiLoRe"``,
+    ``"hilore_config"``): DeepSpeed ignores unknown keys, so the run would train without HiLoRe,
+    without a word."""
+    near = [key for key in ds_config if isinstance(key, str) and (
+        "hilore" in key.lower() or difflib.get_close_matches(key.lower(), ["hilore"], cutoff=0.8))]
+    if near:
+        logger.warning("ds_hilore: the ds_config has no \"hilore\" block but a key %r: HiLoRe is "
+                       "off. Fix: name the block \"hilore\" (lower case, exactly).", near[0])
+
+
+def _unique_keys(pairs: list) -> dict:
+    """An object of a ds_config file, refused where a key comes twice, as DeepSpeed refuses it
+    (the last value would otherwise win without a word)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise HiLoReConfigError(f"duplicate keys in the ds_config: {twice} (DeepSpeed refuses "
+                                "such a file). Fix: keep one of each.")
+    return dict(pairs)
 
 
 def _read_json(path: Union[str, os.PathLike]) -> Any:
     try:
-        with open(path, encoding="utf-8") as handle:
-            return hjson.load(handle, object_pairs_hook=dict)  # DeepSpeed reads ds_configs as hjson
+        with open(path, encoding="utf-8") as handle:  # DeepSpeed reads ds_configs as hjson
+            return hjson.load(handle, object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as error:
+        raise HiLoReConfigError(f"the ds_config file {os.fspath(path)!r} is not UTF-8 text "
+                                f"({error.reason} at byte {error.start}). Fix: save it as UTF-8."
+                                ) from None
     except OSError as error:
         reason = error.strerror
         raise HiLoReConfigError(f"cannot read the ds_config file {os.fspath(path)!r}: {reason}. "

@@ -295,6 +295,27 @@ def test_a_local_checkpoint_directory_is_a_model(tmp_path):
     assert options.check_args(args).model == str(tmp_path / "ckpt")
 
 
+def test_a_checkpoint_directory_the_ranks_could_not_load_is_refused_before_they_start(tmp_path):
+    import transformers
+
+    transformers.ViTConfig().save_pretrained(tmp_path / "vit")  # not a causal LM
+    transformers.Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4
+                             ).save_pretrained(tmp_path / "bare")  # no weights
+    for name, expected in [("vit", "holds a 'vit' model, not a causal LM"),
+                           ("bare", "no weights there")]:
+        args = _parsed()
+        args.model = str(tmp_path / name)
+        with pytest.raises(options.BenchError, match=expected):
+            options.check_args(args)
+
+
+def test_full_fine_tuning_takes_no_lora_rank():
+    assert options.check_args(_parsed("--full", "--lora-r", "0")).lora_r is None
+    with pytest.raises(options.BenchError, match="--lora-r 0: allowed: a rank >= 1"):
+        options.check_args(_parsed("--lora-r", "0"))
+
+
 # ---------------------------------------------------------------------------------- data
 def _step(**flags) -> tuple[data.Shape, list[dict]]:
     shape = data.Shape(**{"micro_batch": 8, "group_size": 4, "grad_accum": 3, "ranks": 2,

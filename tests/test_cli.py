@@ -248,6 +248,47 @@ def test_config_check_of_a_config_without_the_block(tmp_path, capsys):
     assert "HiLoRe is off" in out and '"enabled": false' in out
 
 
+@pytest.mark.parametrize("text, encoding, expected", [
+    ('{"hilore": {"memory_budget": 1.2}}', "utf-16", "is not UTF-8 text"),  # a Windows editor's
+    ('{"hilore": {"memory_budget": 1.5, "memory_budget": 1.2}}', "utf-8",
+     "duplicate keys in the ds_config: ['memory_budget']"),  # as DeepSpeed refuses it
+    ('{"hilore": {"layer_pattern": ""}}', "utf-8", "a non-empty string or null"),
+])
+def test_a_config_file_that_cannot_be_used_as_written_is_refused(tmp_path, capsys, text, encoding,
+                                                                 expected):
+    path = tmp_path / "ds_config.json"
+    path.write_text(text, encoding=encoding)
+    assert cli.main(["check-config", str(path)]) == 2
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["HiLoRe", "hilore_config", "hilor"])
+def test_a_block_named_almost_hilore_is_said(tmp_path, capsys, caplog, key):
+    """DeepSpeed ignores a top-level key it does not know: the run would train without HiLoRe."""
+    path = _write(tmp_path, {key: {"memory_budget": 1.2}})
+    with caplog.at_level("WARNING", logger="ds_hilore"):
+        assert cli.main(["check-config", path]) == 0
+    assert "HiLoRe is off" in capsys.readouterr().out
+    assert f"no \"hilore\" block but a key '{key}'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ds_hilore"):
+        HiLoReConfig.from_ds_config({"train_micro_batch_size_per_gpu": 2})
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--prompts", "0"], "--prompts 0: must be >= 2"),
+    (["--group", "1"], "--group 1: must be >= 2"),
+    (["--length", "-5"], "--length -5: must be >= 8"),
+])
+def test_grpo_demo_bad_flag_value_exits_2_with_one_line(capsys, flags, expected):
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["grpo-demo", *flags])
+    assert ended.value.code == cli.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + expected) and err.count("\n") == 1
+
+
 def test_every_subcommand_has_help():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")

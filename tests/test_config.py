@@ -278,7 +278,7 @@ def test_every_unknown_key_is_reported():
     ("min_pack_numel", 1.5, "an integer >= 0"),
     ("min_pack_numel", False, "an integer >= 0"),
     ("codec_error_interval", 2.5, "an integer >= 1"),
-    ("layer_pattern", 3, "a string or null"),
+    ("layer_pattern", 3, "a non-empty string or null"),
     ("attn_children", "self_attn", "a list of strings or null"),
     ("mlp_children", ["mlp", 2], "a list of strings or null"),
     ("calibration_microbatches", None, "an integer >= 0"),

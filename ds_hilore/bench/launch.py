@@ -93,8 +93,10 @@ def _failure(procs: list[subprocess.Popen], run_dir: Path) -> RankFailure | None
         return None
     _end(procs)
     tail = (run_dir / f"rank{failed}.log").read_text(errors="replace").splitlines()[-25:]
+    where = ("its error is above (rank 0 writes to stderr); its last lines on stdout"
+             if failed == 0 else "its last output")  # rank 0's stderr is the terminal's
     return RankFailure(f"rank {failed} of {len(procs)} exited with status "
-                       f"{procs[failed].returncode}; its last output:\n" + "\n".join(tail))
+                       f"{procs[failed].returncode}; {where}:\n" + "\n".join(tail))
 
 
 def _end(procs: list[subprocess.Popen]) -> None:

@@ -211,7 +211,7 @@ def _check_numbers(args) -> None:
         raise BenchError(f"--layers {args.layers}: must be >= 1")
     if args.max_minutes is not None and not args.max_minutes > 0:
         raise BenchError(f"--max-minutes {args.max_minutes}: allowed: minutes > 0")
-    if args.lora_r < 1:
+    if args.lora_r < 1 and not args.full:
         raise BenchError(f"--lora-r {args.lora_r}: allowed: a rank >= 1 (or --full)")
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads {args.threads}: allowed: >= 1")
@@ -230,6 +230,13 @@ def check_args(args) -> Config:
         raise BenchError(f"--model {args.model}: unknown preset and not a checkpoint directory "
                          f"(no config.json there); allowed: {', '.join(PRESETS)} or a local "
                          "checkpoint directory")
+    if args.model not in PRESETS:  # found here, not in a rank after the codecs were built
+        from ds_hilore.cli.common import check_checkpoint
+
+        try:
+            check_checkpoint(args.model)
+        except OSError as error:
+            raise BenchError(f"--model {args.model}: {error}") from None
     _check_mode(args)
     _check_numbers(args)
     device, ranks = _device_and_ranks(args)

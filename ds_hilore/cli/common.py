@@ -7,7 +7,9 @@ Every subcommand that builds a model takes it from ``--model``, read the same wa
 ``qwen2.5-1.5b`` ...), else a local checkpoint directory (one with a config.json, loaded with
 ``from_pretrained``, never downloaded), else a transformers model type (``qwen2``, ``llama``,
 ``phi3`` ...: a small random model of that architecture; ``hilore units --list-models`` prints
-them). A name that is none of these is an error listing what is accepted.
+them) -- except ``hilore bench``, whose timings need a shape that was chosen: presets and
+checkpoint directories only. A name that is none of these is an error listing what is
+accepted.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import dataclasses
 import os
 import sys
 
-__all__ = ["EXIT_CONFIG_ERROR", "BadFlag", "ModelSource", "load_checkpoint", "one_line_error",
-           "model_source", "say"]
+__all__ = ["EXIT_CONFIG_ERROR", "BadFlag", "ModelSource", "check_checkpoint", "load_checkpoint",
+           "one_line_error", "model_source", "say"]
 
 EXIT_CONFIG_ERROR = 2  # a flag or a configuration the command cannot run with
 
@@ -56,6 +58,31 @@ def model_source(value: str, flag: str = "--model") -> ModelSource:
     raise BadFlag(f"{flag} {value}: not a preset ({', '.join(PRESETS)}), not a local checkpoint "
                   "directory, not a transformers model type (`hilore units --list-models` prints "
                   "them); pass one of these.")
+
+
+# the weights a checkpoint directory holds: one file, or the index of its shards
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+            "pytorch_model.bin.index.json")
+
+
+def check_checkpoint(path: str) -> None:
+    """``OSError`` where ``load_checkpoint(path)`` would fail for the directory itself (its
+    config does not load, is not a causal LM's, or no weights are there), found without
+    loading the weights: the bench checks before it starts its ranks."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise OSError(f"its config.json does not load ({str(error).splitlines()[0].rstrip('.')})"
+                      ". Pass a directory written by save_pretrained.") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise OSError(f"it holds a {config.model_type!r} model, not a causal LM. Pass a causal "
+                      "LM's checkpoint directory.")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _WEIGHTS):
+        raise OSError(f"no weights there ({' or '.join(_WEIGHTS[::2])}). Pass a directory "
+                      "written by save_pretrained (config.json + weights).")
 
 
 def load_checkpoint(path: str):
