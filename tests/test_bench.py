@@ -463,6 +463,7 @@ def test_the_conductor_stops_the_rounds_when_told_decided_or_out_of_time():
     assert doc["rounds"][0]["wall_s"]["gc"] == pytest.approx(walls["gc"][0] * 1.01)
     assert doc["gc_peak_bytes"] == 100 and doc["stop"]["reason"] == "decided"
     assert summary.slowest([{"a": 1.0, "b": 3.0}, {"a": 2.0, "b": 1.0}]) == {"a": 2.0, "b": 3.0}
+    assert summary.slowest([{"a": 1.0, "b": 3.0}, {"a": 2.0}]) == {"a": 2.0}  # b: one rank's only
 
 
 def test_an_end_the_bench_did_not_ask_for_is_an_interrupt(tmp_path, capsys):
@@ -673,6 +674,11 @@ def test_verdicts_on_synthetic_samples_both_ways():
     assert paired.compare(base[:6], slower[:6])["low"] is not None
     # signed-rank table (n = 10, two-sided 5 %: the 9th smallest of the 55 Walsh averages)
     assert paired._critical_k(10, 0.95) == 9 and paired._critical_k(5, 0.95) == 0
+    # a time not measured (0, inf, NaN) on either side: no ratio, no verdict, never a crash
+    for bad in (0.0, math.inf, math.nan):
+        for mine, theirs in ((base[:9] + [bad], slower), (base, slower[:9] + [bad])):
+            c = paired.compare(mine, theirs)
+            assert c["median"] is None and c["verdict"] == "level" and not c["decided"]
 
 
 def _fake_report(shift_gc: float, shift_static: float, n: int) -> dict:

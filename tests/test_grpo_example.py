@@ -124,6 +124,10 @@ def test_bad_data_ends_with_a_message_that_says_what_to_fix(tmp_path, content, r
     (["--task", "count"], "--max_answer_seq_len 10: --task count's answers run to 199 tokens"),
     (["--task", "count", "--max_answer_seq_len", "200", "--max_prompt_seq_len", "8"], "raise it to 10"),
     (["--task", "count", "--data_path", "README.md"], "pass one of them"),
+    (["--epsilon", "-1"], "--epsilon -1.0: the clip range must be a finite number >= 0"),
+    (["--epsilon_high", "nan"], "--epsilon_high nan: the upper clip must be"),
+    (["--beta", "nan"], "--beta nan: the KL coefficient must be"),
+    (["--actor_learning_rate", "-1"], "--actor_learning_rate -1.0: the learning rate must be"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message):
     with pytest.raises(UsageError, match=message):

@@ -44,7 +44,7 @@ def paired_ratios(mine: Sequence[float], theirs: Sequence[float]) -> list[float]
     """Per-round ``theirs[i] / mine[i]`` (step times: above 1, ``mine`` is faster)."""
     if len(mine) != len(theirs):
         raise ValueError(f"paired samples differ in length ({len(mine)} vs {len(theirs)})")
-    return [b / a for a, b in zip(mine, theirs)]
+    return [b / a if a > 0 else math.nan for a, b in zip(mine, theirs)]  # no time: no ratio
 
 
 @lru_cache(maxsize=None)
@@ -111,7 +111,7 @@ def compare(mine: Sequence[float], theirs: Sequence[float],
     """``mine`` against ``theirs`` (per-round step times): the median paired ratio
     ``theirs / mine``, its interval, the verdict and whether it is decided."""
     ratios = paired_ratios(mine, theirs)
-    if not ratios or any(not (r > 0) for r in ratios):
+    if not ratios or any(not (0 < r < math.inf) for r in ratios):  # a time not measured
         return {"n": len(ratios), "median": None, "hodges_lehmann": None, "low": None,
                 "high": None, "verdict": "level", "decided": False}
     hl, lo, hi = location_interval([math.log(r) for r in ratios], confidence)

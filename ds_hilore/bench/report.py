@@ -180,7 +180,8 @@ def run_text(report) -> str:
              f"fresh engines, lengths {sorted(set(run['lengths']))} (each step the slowest "
              "rank's time)", _setup_line(report) or ""]
     for name, r in run["runs"].items():
-        ratio = "-" if r["time_over_gc"] is None else f"{r['time_over_gc']:.3f}x GC's"
+        ratio = ("-" if not r["time_over_gc"] else  # speed over GC's, as every other ratio
+                 f"x{1 / r['time_over_gc']:.3f} vs GC (its time {r['time_over_gc']:.3f}x GC's)")
         line = f"  {name:<16} update {r['update_s']:8.2f} s = {ratio}"
         if "warm_up_s" in r:
             steady = r["steady"]
@@ -192,7 +193,8 @@ def run_text(report) -> str:
                             f" (95 % CI {steady['low']:.3f}-{steady['high']:.3f}, "
                             f"{steady['verdict']})")))
         lines.append(line)
-    lines.append("update: the sum of the run's step times; x GC's: its update time over GC's; "
+    lines.append("update: the sum of the run's step times; x vs GC: GC's update time over its "
+                 "(one run: no interval); "
                  "warm-up: the steps whose HiLoRe stats show profiling, planning, calibration or "
                  "leave-one-out, and the sum over them of the run's time minus GC's; steady: "
                  "median over the later steps of t_gc / t, with the signed-rank interval.")

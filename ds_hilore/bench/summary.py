@@ -29,9 +29,10 @@ __all__ = ["comparisons", "document", "efficiency", "recomputed_flops", "regime"
 
 
 def slowest(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Per run, the largest of the ranks' values (each rank's dict: run label -> value)."""
+    """Per run, the largest of the ranks' values (each rank's dict: run label -> value); a run
+    some rank has no value for is left out (the others' largest need not be the slowest)."""
     labels = dict.fromkeys(k for d in per_rank for k in d)
-    return {k: max(d[k] for d in per_rank if k in d) for k in labels}
+    return {k: max(d[k] for d in per_rank) for k in labels if all(k in d for d in per_rank)}
 
 
 def _rounds(ranks: list[dict]) -> list[dict[str, Any]]:

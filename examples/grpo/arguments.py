@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import Sequence
@@ -146,8 +147,11 @@ def check(args: argparse.Namespace) -> None:
             f"each rank generates --per_device_generation_batch_size x --group_size = {rollouts} sequences "
             f"per step, not a multiple of --per_device_training_batch_size x --gradient_accumulation_steps "
             f"= {minibatch}; change one so that the minibatch divides the rollouts.")
-    if args.beta < 0:
-        raise UsageError(f"--beta {args.beta}: the KL coefficient must be >= 0.")
+    for key, what in (("beta", "the KL coefficient"), ("epsilon", "the clip range"),
+                      ("epsilon_high", "the upper clip"), ("actor_learning_rate", "the learning rate")):
+        value = getattr(args, key)
+        if value is not None and not 0 <= value < math.inf:  # NaN too
+            raise UsageError(f"--{key} {value}: {what} must be a finite number >= 0.")
     if args.drop_zero_rows and args.beta != 0:
         raise UsageError("--drop_zero_rows needs --beta 0: with a KL term a sequence with advantage 0 "
                          "still has a gradient.")

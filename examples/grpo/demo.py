@@ -1,10 +1,10 @@
-"""``python -m examples.grpo.demo`` (``make demo``): the same seeded GRPO run twice -- with
-gradient checkpointing and with HiLoRe -- on 2 ranks with ZeRO-2 and LoRA, where activations
-matter (``DEMO_ARGS``: long prompts, 8 sequences per microbatch), the two runs taking each step in
-turns (NOTE [ Runs in turns ] in examples/grpo/turns.py), then side by side: the actor
-update's time per step (paired, steady steps) and over the whole run (HiLoRe's warm-up
-included), peak memory per rank against the budget, held-out reward, the FLOP regime, and one
-figure with both runs overlaid. Writes ``summary.json`` and ``demo.png`` under ``--output_dir``
+"""``python -m examples.grpo.demo`` (``make demo``): the same seeded GRPO run twice -- with gradient
+checkpointing and with HiLoRe -- on 2 ranks with ZeRO-2 and LoRA, where activations matter
+(``DEMO_ARGS``: answers of up to 200 tokens, 8 sequences per microbatch), the two runs taking each
+step in turns (NOTE [ Runs in turns ] in examples/grpo/turns.py), then side by side: the actor
+update's time per step (paired, steady steps) and over the whole run (HiLoRe's warm-up included),
+peak memory per rank against the budget, held-out reward, the FLOP regime, and one figure with both
+runs overlaid. Writes ``summary.json`` and ``demo.png`` under ``--output_dir``
 (NOTE [ The demo's accounting ] in examples/grpo/accounting.py says what each figure means).
 
 Extra arguments go to the trainer of both runs (e.g. ``--num_train_steps 20``).
@@ -29,7 +29,7 @@ MiB = 1 << 20
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(prog="python -m examples.grpo.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.grpo.demo", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--output_dir", default="output/demo")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--nprocs", type=int, default=2, help="ranks")
