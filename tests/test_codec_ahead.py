@@ -119,9 +119,12 @@ def test_a_built_kernel_that_fails_is_dropped_and_said(monkeypatch, caplog):
 
     kernel.ahead[(torch.float32,)] = fails
     monkeypatch.setattr(codecs, "compile_unavailable", lambda device: "no compiler (test)")
+    monkeypatch.setattr(codec_ahead, "load_key", lambda kernel, key, dtypes: kernel.ahead.update(
+        {key: fails}))  # the same package, where it would be looked for again
     with caplog.at_level(logging.WARNING, logger="ds_hilore"):
         assert kernel.compiled(torch.ones(4, 8)) is codecs._FAILED  # then the eager kernel
-    assert kernel.ahead == {} and "built ahead failed" in caplog.text
+        assert kernel.compiled(torch.ones(4, 8)) is codecs._FAILED  # not loaded, run, said again
+    assert kernel.ahead == {} and caplog.text.count("built ahead failed") == 1
 
 
 def test_without_a_compiler_nothing_is_built_and_that_is_said(folder):
@@ -187,3 +190,36 @@ def test_the_codec_is_warmed_for_the_activations_dtype_and_fp32(dtype, monkeypat
         assert warmed == [(dtype,) if dtype == torch.float32 else (dtype, torch.float32)]
     finally:
         runtime.detach()
+
+
+def test_two_builds_over_a_package_that_does_not_load_both_end_with_it_there(folder, monkeypatch):
+    """Two ranks build over a folder that does not load: one removes it, the other's lands
+    before the first moves its own (simulated in that order; no compiler needed). The first
+    finds a package that loads there and says nothing went wrong."""
+    import shutil
+    import zipfile
+
+    def package(program, package_path, inductor_configs):
+        with zipfile.ZipFile(package_path, "w") as archive:
+            archive.writestr("built", "1")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", package)
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: None)
+    monkeypatch.setattr(codec_ahead, "_loader",
+                        lambda path: (lambda args: args) if (path / "built").is_file() else None)
+    path = codec_ahead._path("_int8_rescale", torch.float32)
+    path.mkdir(parents=True)
+    (path / "archive_format").write_text("not a package")
+    remove = shutil.rmtree
+
+    def the_other_lands(target, ignore_errors=False):
+        remove(target, ignore_errors=ignore_errors)
+        if target == path:
+            path.mkdir()
+            (path / "built").write_text("the other rank's")
+
+    monkeypatch.setattr(codec_ahead.shutil, "rmtree", the_other_lands)
+    said = []
+    kernel = next(k for k in INT8 if k.name == "_int8_rescale")
+    assert codec_ahead.build_all([kernel], [torch.float32], say=said.append) == [path]
+    assert said == [] and (path / "built").read_text() == "the other rank's"

@@ -52,9 +52,11 @@ def demo(prompts: int = 16, group: int = 8, length: int = 512, seed: int = 0) ->
                     num_items_in_batch=data["mask"].sum(),
                 )
                 mt = out.metrics
+                top = mt["top10_share"]  # NaN where every ω is 0 (no group with a reward spread)
+                top = f"{top:>7.1%}" if top == top else f"{'-':>7}"
                 print(f"{loss_type:>9} {level:>8} {beta:>5.2f} | {mt['zero_fraction']:>6.1%} "
-                      f"{mt['top10_share']:>7.1%} {mt['clip_fraction_low']:>7.1%} {mt['clip_fraction_high']:>7.1%}")
+                      f"{top} {mt['clip_fraction_low']:>7.1%} {mt['clip_fraction_high']:>7.1%}")
     print("ω=0: active tokens with exactly zero coefficient (A = 0 rows, clipped tokens); "
-          "top10%: share of Σ|ω| on the 10 % largest-|ω| tokens.")
+          "top10%: share of Σ|ω| on the 10 % largest-|ω| tokens (-: Σ|ω| is 0).")
 
 

@@ -177,7 +177,11 @@ def build(name: str, fn: Callable, dtype: torch.dtype) -> Path:
         except OSError:  # there already: another rank's, used; or one that does not load
             if _loader(path) is None:
                 shutil.rmtree(path, ignore_errors=True)
-                os.rename(unpacked, path)
+                try:
+                    os.rename(unpacked, path)
+                except OSError:  # another rank's landed between the two: used if it loads
+                    if _loader(path) is None:
+                        raise
     finally:
         shutil.rmtree(aside, ignore_errors=True)
     return path
@@ -190,7 +194,7 @@ def load(name: str, dtype: torch.dtype) -> Callable | None:
     if not signature(name):
         return None
     path = _path(name, dtype)
-    if not path.exists():
+    if not os.path.isdir(path):  # False where the folder cannot be read, too: run-time compiled
         return None
     run = _loader(path)
     if run is None:
@@ -204,7 +208,7 @@ def load(name: str, dtype: torch.dtype) -> Callable | None:
 
 
 def _loader(path: Path) -> Callable | None:
-    if not path.is_dir():  # a file would be unpacked into a temporary folder (``_path``)
+    if not os.path.isdir(path):  # a file would be unpacked into a temporary folder (``_path``)
         return None
     try:
         return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).run
@@ -217,7 +221,7 @@ def load_key(kernel, key: tuple[torch.dtype, ...], dtypes) -> None:
     arguments have the dtypes ``key``: a dtype the run's warm-up did not load (nothing said
     where none was built: the warm-up said how to build them)."""
     for dtype in dtypes:
-        if _key(kernel.name, dtype) == key and _path(kernel.name, dtype).exists():
+        if _key(kernel.name, dtype) == key and os.path.isdir(_path(kernel.name, dtype)):
             run = load(kernel.name, dtype)
             if run is not None:
                 kernel.ahead[key] = run
@@ -265,7 +269,7 @@ def build_all(kernels, dtypes, say=print, unavailable: str | None = None) -> lis
         if not signature(kernel.name):
             continue
         for dtype in dtypes:
-            begin, there = time.perf_counter(), _path(kernel.name, dtype).exists()
+            begin, there = time.perf_counter(), os.path.isdir(_path(kernel.name, dtype))
             label = f"{kernel.name} for {str(dtype).removeprefix('torch.')}"
             try:
                 paths.append(build(kernel.name, kernel.fn, dtype))

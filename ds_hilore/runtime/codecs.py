@@ -241,6 +241,7 @@ class _Kernel:
                     return built(list(args))
                 except Exception as exc:  # noqa: BLE001 -- compiled at run time from now on
                     del self.ahead[key]
+                    self._looked.add(key)  # not loaded again
                     logger.warning("ds_hilore: the codec kernel %s built ahead failed (%s); it "
                                    "is compiled at run time from now on.", self.name,
                                    (str(exc).splitlines() or ["?"])[0])
