@@ -10,6 +10,7 @@ Example::
     cfg.force_plan_for("model.layers.3.mlp")               # -> "R"
 """
 
+import collections
 import difflib
 import fnmatch
 import json
@@ -376,8 +377,7 @@ def _say_a_misspelt_block(ds_config: Mapping) -> None:
 def _unique_keys(pairs: list) -> dict:
     """An object of a ds_config file, refused where a key comes twice, as DeepSpeed refuses it
     (the last value would otherwise win without a word)."""
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
+    twice = sorted(key for key, n in collections.Counter(key for key, _ in pairs).items() if n > 1)
     if twice:
         raise HiLoReConfigError(f"duplicate keys in the ds_config: {twice} (DeepSpeed refuses "
                                 "such a file). Fix: keep one of each.")

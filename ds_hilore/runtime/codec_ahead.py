@@ -172,16 +172,13 @@ def build(name: str, fn: Callable, dtype: torch.dtype) -> Path:
             os.chmod(folder, 0o755)
             for file in files:
                 os.chmod(os.path.join(folder, file), 0o755 if file.endswith(".so") else 0o644)
+        if _loader(path) is None:  # none there, or one that does not load: replaced
+            shutil.rmtree(path, ignore_errors=True)
         try:
             os.rename(unpacked, path)
-        except OSError:  # there already: another rank's, used; or one that does not load
+        except OSError:  # another rank's landed first: used where it loads
             if _loader(path) is None:
-                shutil.rmtree(path, ignore_errors=True)
-                try:
-                    os.rename(unpacked, path)
-                except OSError:  # another rank's landed between the two: used if it loads
-                    if _loader(path) is None:
-                        raise
+                raise
     finally:
         shutil.rmtree(aside, ignore_errors=True)
     return path
@@ -221,7 +218,7 @@ def load_key(kernel, key: tuple[torch.dtype, ...], dtypes) -> None:
     arguments have the dtypes ``key``: a dtype the run's warm-up did not load (nothing said
     where none was built: the warm-up said how to build them)."""
     for dtype in dtypes:
-        if _key(kernel.name, dtype) == key and os.path.isdir(_path(kernel.name, dtype)):
+        if _key(kernel.name, dtype) == key:
             run = load(kernel.name, dtype)
             if run is not None:
                 kernel.ahead[key] = run

@@ -207,6 +207,7 @@ class _Kernel:
         # did not warm (looked for once); CPU tensors only
         self.ahead: dict[tuple[torch.dtype, ...], Callable] = {}
         self._looked: set[tuple[torch.dtype, ...]] = set()
+        self._buildable = codec_ahead.signature(fn.__name__)  # once: read at every call
 
     @property
     def name(self) -> str:
@@ -230,7 +231,7 @@ class _Kernel:
     def compiled(self, *args):
         """Run the compiled kernel; _FAILED if it cannot be compiled (then use ``fn``)."""
         device_type = args[0].device.type
-        if device_type == "cpu" and codec_ahead.signature(self.name):  # every argument a tensor
+        if device_type == "cpu" and self._buildable:  # every argument a tensor
             key = tuple(a.dtype for a in args)
             if key not in self.ahead and key not in self._looked:
                 self._looked.add(key)
